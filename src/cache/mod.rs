@@ -1,0 +1,350 @@
+//! The node-local cache directory: where staged files live and how they get there safely.
+//!
+//! Layout (documented in the README):
+//! ```text
+//! CACHE/
+//!   stagefs-cache.json   manifest: format version and the SOURCE this cache holds
+//!   lock                 flock'ed by the daemon using the cache
+//!   tmp/                 copies in progress (deleted at start-up)
+//!   data/xx/HASH         complete files; HASH = sha256(relative path)[..16] in hex, xx = its first byte
+//! ```
+//! A file appears under `data/` only by `rename` after it was copied in full and checked
+//! against the catalog (size, and the source's mtime before and after the copy), and it carries
+//! the source's mtime. So a crash leaves at worst a temporary file, never a partial file that is
+//! served, and a remount can reuse every cached file whose size and mtime still match SOURCE.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::catalog::{Catalog, Entry, FileId};
+
+const MANIFEST: &str = "stagefs-cache.json";
+const MANIFEST_FORMAT: u32 = 1;
+/// How long to wait for the cache lock: long enough for a previous daemon to finish exiting.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Copy buffer: large enough that a parallel file system sees big sequential reads, small
+/// enough that 16–64 concurrent copies stay well under 100 MB of memory.
+const COPY_BUFFER: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("cache directory {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("cache directory {0} is in use by another stagefs; give each mount its own --cache")]
+    Locked(PathBuf),
+}
+
+/// Why one copy into the cache failed. The stager treats the kinds differently: source
+/// errors are retried with backoff, a full cache shrinks capacity, a changed source file is
+/// not retried at all.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("reading {path}: {source}")]
+    Source { path: PathBuf, source: io::Error },
+    #[error("{0} changed on the source since it was mounted (size or mtime differ)")]
+    SourceChanged(PathBuf),
+    #[error("cache file system is full")]
+    NoSpace,
+    #[error("writing the cache: {0}")]
+    Cache(io::Error),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    source: PathBuf,
+}
+
+pub struct CacheDir {
+    root: PathBuf,
+    data: PathBuf,
+    tmp: PathBuf,
+    _lock: File,
+    temp_seq: AtomicU64,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
+    move |source| CacheError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn mkdir_private(path: &Path) -> Result<(), CacheError> {
+    match fs::DirBuilder::new().mode(0o700).create(path) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(io_err(path)(e)),
+        _ => Ok(()),
+    }
+}
+
+impl CacheDir {
+    /// Opens (creating if needed) the cache for `source`. A cache that held another source is
+    /// emptied; leftovers of interrupted copies are deleted.
+    pub fn open(root: &Path, source: &Path) -> Result<CacheDir, CacheError> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root)
+            .map_err(io_err(root))?;
+        fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(io_err(root))?;
+        let lock_path = root.join("lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(io_err(&lock_path))?;
+        // A daemon that was just unmounted may still be exiting: give it a moment.
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        // SAFETY: flock on a valid fd we own.
+        while unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            if std::time::Instant::now() >= deadline {
+                return Err(CacheError::Locked(root.to_path_buf()));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let data = root.join("data");
+        let tmp = root.join("tmp");
+        let manifest_path = root.join(MANIFEST);
+        let previous: Option<Manifest> = fs::read(&manifest_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        match previous {
+            Some(m) if m.format == MANIFEST_FORMAT && m.source == source => {}
+            Some(m) => {
+                log::warn!(
+                    "cache {} held {} (format {}); emptying it for {}",
+                    root.display(),
+                    m.source.display(),
+                    m.format,
+                    source.display()
+                );
+                remove_tree(&data)?;
+            }
+            None if data.exists() => {
+                log::warn!(
+                    "cache {} has no valid manifest; emptying it",
+                    root.display()
+                );
+                remove_tree(&data)?;
+            }
+            None => {}
+        }
+        remove_tree(&tmp)?;
+        mkdir_private(&data)?;
+        mkdir_private(&tmp)?;
+        for byte in 0..=255u8 {
+            mkdir_private(&data.join(format!("{byte:02x}")))?;
+        }
+        let manifest = serde_json::to_vec_pretty(&Manifest {
+            format: MANIFEST_FORMAT,
+            source: source.to_path_buf(),
+        })
+        .expect("manifest serializes");
+        write_atomically(&manifest_path, &manifest).map_err(io_err(&manifest_path))?;
+        Ok(CacheDir {
+            root: root.to_path_buf(),
+            data,
+            tmp,
+            _lock: lock,
+            temp_seq: AtomicU64::new(0),
+        })
+    }
+
+    /// Where the cached copy of `relative` lives.
+    pub fn path_for(&self, relative: &Path) -> PathBuf {
+        let digest = Sha256::digest(relative.as_os_str().as_encoded_bytes());
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        self.data.join(&hex[..2]).join(hex)
+    }
+
+    /// Finds the complete files a previous mount left that still match the catalog, and
+    /// deletes everything else under `data/`. Returns (file, size) of those kept.
+    pub fn reuse(&self, catalog: &Catalog) -> Vec<(FileId, u64)> {
+        let mut present: HashSet<OsString> = HashSet::new();
+        for sub in fs::read_dir(&self.data).into_iter().flatten().flatten() {
+            for f in fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+                present.insert(f.file_name());
+            }
+        }
+        let mut kept = Vec::new();
+        let mut wanted: HashSet<OsString> = HashSet::new();
+        if !present.is_empty() {
+            for id in catalog.files() {
+                let path = self.path_for(&catalog.relative_path(id));
+                let name = path.file_name().expect("hash name").to_os_string();
+                if !present.contains(&name) {
+                    continue;
+                }
+                let entry = catalog.entry(id).expect("catalog file");
+                match fs::metadata(&path) {
+                    Ok(m) if matches_entry(&m, entry) => {
+                        kept.push((id, entry.size));
+                        wanted.insert(name);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let stale = present.len() - wanted.len();
+        if stale > 0 {
+            for sub in fs::read_dir(&self.data).into_iter().flatten().flatten() {
+                for f in fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+                    if !wanted.contains(&f.file_name()) {
+                        let _ = fs::remove_file(f.path());
+                    }
+                }
+            }
+            log::info!("cache: removed {stale} files that no longer match the source");
+        }
+        kept
+    }
+
+    /// Copies `source` into the cache as the complete, verified copy of `entry`.
+    pub fn stage(&self, source: &Path, relative: &Path, entry: &Entry) -> Result<u64, CopyError> {
+        let src_err = |e: io::Error| CopyError::Source {
+            path: source.to_path_buf(),
+            source: e,
+        };
+        let mut src = File::open(source).map_err(src_err)?;
+        if !matches_entry(&src.metadata().map_err(src_err)?, entry) {
+            return Err(CopyError::SourceChanged(source.to_path_buf()));
+        }
+        let tmp_path = self.tmp.join(format!(
+            "{}.{}",
+            std::process::id(),
+            self.temp_seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        let result = self.copy_to_temp(&mut src, source, &tmp_path, entry);
+        match result {
+            Ok(n) => {
+                let dest = self.path_for(relative);
+                fs::rename(&tmp_path, &dest).map_err(|e| {
+                    let _ = fs::remove_file(&tmp_path);
+                    cache_err(e)
+                })?;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp_path);
+                Err(e)
+            }
+        }
+    }
+
+    fn copy_to_temp(
+        &self,
+        src: &mut File,
+        source: &Path,
+        tmp_path: &Path,
+        entry: &Entry,
+    ) -> Result<u64, CopyError> {
+        let src_err = |e: io::Error| CopyError::Source {
+            path: source.to_path_buf(),
+            source: e,
+        };
+        let mut out = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(tmp_path)
+            .map_err(cache_err)?;
+        let mut buf = vec![0u8; COPY_BUFFER.min(entry.size.max(1) as usize)];
+        let mut copied = 0u64;
+        loop {
+            let n = match src.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(src_err(e)),
+            };
+            out.write_all(&buf[..n]).map_err(cache_err)?;
+            copied += n as u64;
+        }
+        // The source must still be the file we catalogued, or the copy could mix versions.
+        if copied != entry.size || !matches_entry(&src.metadata().map_err(src_err)?, entry) {
+            return Err(CopyError::SourceChanged(source.to_path_buf()));
+        }
+        let mtime = libc::timespec {
+            tv_sec: entry.mtime_secs,
+            tv_nsec: entry.mtime_nanos as i64,
+        };
+        let times = [
+            libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            mtime,
+        ];
+        // SAFETY: valid fd and a two-element timespec array as futimens requires.
+        if unsafe { libc::futimens(out.as_raw_fd(), times.as_ptr()) } != 0 {
+            return Err(cache_err(io::Error::last_os_error()));
+        }
+        Ok(copied)
+    }
+
+    pub fn remove(&self, relative: &Path) {
+        let path = self.path_for(relative);
+        if let Err(e) = fs::remove_file(&path)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            log::warn!("cannot remove cached {}: {e}", path.display());
+        }
+    }
+
+    /// Bytes the cache's file system can still take, and its total size.
+    pub fn filesystem_space(&self) -> io::Result<(u64, u64)> {
+        let c = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
+            .map_err(io::Error::other)?;
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid C string and out pointer.
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((
+            st.f_bavail as u64 * st.f_frsize as u64,
+            st.f_blocks as u64 * st.f_frsize as u64,
+        ))
+    }
+}
+
+fn cache_err(e: io::Error) -> CopyError {
+    if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
+        CopyError::NoSpace
+    } else {
+        CopyError::Cache(e)
+    }
+}
+
+fn matches_entry(m: &fs::Metadata, e: &Entry) -> bool {
+    m.len() == e.size && m.mtime() == e.mtime_secs && m.mtime_nsec() as u32 == e.mtime_nanos
+}
+
+fn remove_tree(path: &Path) -> Result<(), CacheError> {
+    match fs::remove_dir_all(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(path)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Writes `bytes` to `path` via a temporary file and rename, so readers see the old or the
+/// new content, never a mix.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let result = fs::write(&tmp, bytes).and_then(|_| fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}

@@ -1,0 +1,440 @@
+//! Sample index → file, the way the job's dataset class numbers its samples.
+//!
+//! A sampler yields indices; what the job opens is `dataset.samples[i]`. This module rebuilds
+//! that list from the catalog exactly as the dataset class builds it from the file system
+//! (torchvision ImageFolder's sorted class folders and `os.walk(followlinks=True)`, a sorted
+//! tree, or a user-supplied list), so that index i names the same file the framework opens.
+//!
+//! A sample whose path is a symlink maps to the file the link resolves to (that is what the
+//! kernel opens); one that cannot be resolved inside SOURCE maps to [`Layout::NO_FILE`] and is
+//! simply not staged.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use super::{Catalog, FileId, Kind, ROOT};
+
+/// torchvision's `IMG_EXTENSIONS`, matched case-insensitively against the end of the path.
+pub const DEFAULT_EXTENSIONS: &[&str] = &[
+    ".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    ImageFolder,
+    Tree,
+    List,
+}
+
+impl std::str::FromStr for LayoutKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "imagefolder" => Ok(LayoutKind::ImageFolder),
+            "tree" => Ok(LayoutKind::Tree),
+            "list" => Ok(LayoutKind::List),
+            _ => Err(format!(
+                "unknown layout '{s}' (expected imagefolder, tree or list)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    #[error("cannot read --list-file {path}: {source}")]
+    ListUnreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--list-file {path} line {line}: {reason}")]
+    ListLine {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("--layout list needs --list-file FILE (one relative path per line)")]
+    ListFileMissing,
+    #[error("layout {0:?} found no samples under the source; check --layout / --extensions")]
+    Empty(LayoutKind),
+}
+
+/// The dataset's samples in index order, as catalog file ids.
+pub struct Layout {
+    files: Vec<FileId>,
+    classes: Vec<String>,
+}
+
+impl Layout {
+    /// Marks a sample stagefs cannot serve from SOURCE (dangling link, link leaving SOURCE).
+    pub const NO_FILE: FileId = FileId::MAX;
+
+    pub fn build(
+        catalog: &Catalog,
+        kind: LayoutKind,
+        extensions: &[String],
+        list_file: Option<&Path>,
+    ) -> Result<Layout, LayoutError> {
+        let layout = match kind {
+            LayoutKind::ImageFolder => image_folder(catalog, extensions),
+            LayoutKind::Tree => Layout {
+                files: sorted_tree(catalog),
+                classes: Vec::new(),
+            },
+            LayoutKind::List => {
+                let path = list_file.ok_or(LayoutError::ListFileMissing)?;
+                let text = std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                let files =
+                    parse_list(catalog, &text).map_err(|(line, reason)| LayoutError::ListLine {
+                        path: path.to_path_buf(),
+                        line,
+                        reason,
+                    })?;
+                Layout {
+                    files,
+                    classes: Vec::new(),
+                }
+            }
+        };
+        if layout.is_empty() {
+            return Err(LayoutError::Empty(kind));
+        }
+        Ok(layout)
+    }
+
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// The file sample `index` reads, or [`Layout::NO_FILE`].
+    pub fn file(&self, index: u32) -> FileId {
+        self.files
+            .get(index as usize)
+            .copied()
+            .unwrap_or(Self::NO_FILE)
+    }
+
+    pub fn classes(&self) -> &[String] {
+        &self.classes
+    }
+
+    /// Sample i is file i: for engine tests that do not need a real tree.
+    #[cfg(test)]
+    pub fn identity(n: u32) -> Layout {
+        Layout {
+            files: (0..n).collect(),
+            classes: Vec::new(),
+        }
+    }
+}
+
+/// Python compares `str` by code point; for valid UTF-8 that is byte order. Names that are
+/// not UTF-8 become surrogate escapes (U+DC80..U+DCFF) in Python, which we reproduce so a
+/// stray Latin-1 file name sorts where torchvision puts it.
+fn python_order(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
+    match (std::str::from_utf8(a), std::str::from_utf8(b)) {
+        (Ok(_), Ok(_)) => a.cmp(b),
+        _ => code_points(a).cmp(code_points(b)),
+    }
+}
+
+fn code_points(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes.utf8_chunks().flat_map(|chunk| {
+        chunk
+            .valid()
+            .chars()
+            .map(|c| c as u32)
+            .chain(chunk.invalid().iter().map(|&b| 0xDC00 + b as u32))
+    })
+}
+
+fn has_extension(path: &[u8], extensions: &[String]) -> bool {
+    let lower = String::from_utf8_lossy(path).to_lowercase();
+    extensions.iter().any(|ext| lower.ends_with(ext.as_str()))
+}
+
+/// torchvision `make_dataset`: class folders are the root's entries that are directories
+/// (following links), sorted; each class is walked with `os.walk(followlinks=True)`, the walk's
+/// directories sorted by their full path string and the files of each sorted by name.
+fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
+    let extensions: Vec<String> = extensions.iter().map(|e| e.to_lowercase()).collect();
+    let mut classes: Vec<(&[u8], FileId)> = catalog
+        .children(ROOT)
+        .filter_map(|id| {
+            let target = catalog.resolve(id)?;
+            (catalog.entry(target)?.kind == Kind::Directory)
+                .then_some((catalog.name(id).as_bytes(), target))
+        })
+        .collect();
+    classes.sort_by(|a, b| python_order(a.0, b.0));
+
+    let mut files = Vec::new();
+    for (class_name, class_dir) in &classes {
+        // Every directory the walk visits, as (path string, directory id).
+        let mut dirs: Vec<(Vec<u8>, FileId)> = Vec::new();
+        let mut stack: Vec<(Vec<u8>, FileId, Vec<FileId>)> =
+            vec![(class_name.to_vec(), *class_dir, vec![*class_dir])];
+        while let Some((path, dir, ancestors)) = stack.pop() {
+            for child in catalog.children(dir) {
+                let Some(target) = catalog.resolve(child) else {
+                    continue;
+                };
+                if catalog.entry(target).map(|e| e.kind) != Some(Kind::Directory) {
+                    continue;
+                }
+                if ancestors.contains(&target) {
+                    log::warn!(
+                        "symlink loop at {}; not followed",
+                        catalog.relative_path(child).display()
+                    );
+                    continue;
+                }
+                let mut child_path = path.clone();
+                child_path.push(b'/');
+                child_path.extend_from_slice(catalog.name(child).as_bytes());
+                let mut chain = ancestors.clone();
+                chain.push(target);
+                stack.push((child_path, target, chain));
+            }
+            dirs.push((path, dir));
+        }
+        dirs.sort_by(|a, b| python_order(&a.0, &b.0));
+        for (path, dir) in dirs {
+            // Children are already sorted by name bytes; non-UTF-8 names need Python's order.
+            let mut names: Vec<FileId> = catalog.children(dir).collect();
+            names.sort_by(|&a, &b| {
+                python_order(catalog.name(a).as_bytes(), catalog.name(b).as_bytes())
+            });
+            for child in names {
+                let resolved = catalog.resolve(child);
+                if resolved.and_then(|t| catalog.entry(t)).map(|e| e.kind) == Some(Kind::Directory)
+                {
+                    continue;
+                }
+                let mut full = path.clone();
+                full.push(b'/');
+                full.extend_from_slice(catalog.name(child).as_bytes());
+                if has_extension(&full, &extensions) {
+                    files.push(
+                        resolved
+                            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
+                            .unwrap_or(Layout::NO_FILE),
+                    );
+                }
+            }
+        }
+    }
+    let classes = classes
+        .iter()
+        .map(|(n, _)| String::from_utf8_lossy(n).into_owned())
+        .collect();
+    Layout { files, classes }
+}
+
+/// Every regular file (symlinks not followed), sorted by relative path bytes.
+fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
+    let mut out = Vec::new();
+    // Depth-first in name order with '/' as separator is not byte order ("a/x/b" vs "a/x-y"),
+    // so collect paths and sort them.
+    let mut with_paths: Vec<(Vec<u8>, FileId)> = catalog
+        .files()
+        .map(|id| {
+            (
+                catalog
+                    .relative_path(id)
+                    .into_os_string()
+                    .into_encoded_bytes(),
+                id,
+            )
+        })
+        .collect();
+    with_paths.sort_unstable();
+    out.extend(with_paths.into_iter().map(|(_, id)| id));
+    out
+}
+
+/// One relative path per line; line i is sample i. Errors carry the 1-based line number.
+fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
+    let mut files = Vec::new();
+    let body = text.strip_suffix(b"\n").unwrap_or(text);
+    if body.is_empty() {
+        return Ok(files);
+    }
+    for (i, line) in body.split(|&b| b == b'\n').enumerate() {
+        let line_no = i + 1;
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.is_empty() {
+            return Err((line_no, "empty line (every line must name a file)".into()));
+        }
+        let path = Path::new(OsStr::from_bytes(line));
+        if path.is_absolute() {
+            return Err((
+                line_no,
+                format!(
+                    "'{}' is absolute; paths must be relative to the source",
+                    path.display()
+                ),
+            ));
+        }
+        if path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return Err((
+                line_no,
+                format!(
+                    "'{}' contains '..'; paths must stay inside the source",
+                    path.display()
+                ),
+            ));
+        }
+        let id = catalog.lookup_path(path).ok_or_else(|| {
+            (
+                line_no,
+                format!("'{}' does not exist in the source", path.display()),
+            )
+        })?;
+        let file = catalog
+            .resolve(id)
+            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
+            .ok_or_else(|| {
+                (
+                    line_no,
+                    format!(
+                        "'{}' is not a regular file (or a link to one) inside the source",
+                        path.display()
+                    ),
+                )
+            })?;
+        files.push(file);
+    }
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    /// Builds the golden tricky tree from tests/data/golden/imagefolder/tree.txt.
+    pub(crate) fn golden_tree(dir: &Path) {
+        let spec = fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/golden/imagefolder/tree.txt"
+        ))
+        .unwrap();
+        for line in spec
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        {
+            let (kind, rest) = line.split_at(2);
+            match kind.trim() {
+                "f" => {
+                    let p = dir.join(rest);
+                    fs::create_dir_all(p.parent().unwrap()).unwrap();
+                    fs::write(&p, rest).unwrap();
+                }
+                "d" => fs::create_dir_all(dir.join(rest)).unwrap(),
+                "l" => {
+                    let (link, target) = rest.split_once(" -> ").unwrap();
+                    let p = dir.join(link);
+                    fs::create_dir_all(p.parent().unwrap()).unwrap();
+                    std::os::unix::fs::symlink(target, p).unwrap();
+                }
+                other => panic!("bad tree.txt line kind {other}"),
+            }
+        }
+    }
+
+    #[test]
+    fn image_folder_matches_torchvision_golden() {
+        let tmp = tempfile::tempdir().unwrap();
+        golden_tree(tmp.path());
+        let expected: serde_json::Value = serde_json::from_str(
+            &fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/data/golden/imagefolder/expected.json"
+            ))
+            .unwrap(),
+        )
+        .unwrap();
+        let catalog = Catalog::scan(tmp.path(), 2).unwrap();
+        let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
+        let layout = Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap();
+        let classes: Vec<&str> = expected["classes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        assert_eq!(layout.classes(), classes.as_slice());
+        let samples = expected["samples"].as_array().unwrap();
+        assert_eq!(layout.len(), samples.len());
+        for s in samples {
+            let index = s["index"].as_u64().unwrap() as u32;
+            let path = s["path"].as_str().unwrap();
+            // The sample's own path resolves to the file the layout names.
+            let want = catalog
+                .resolve(catalog.lookup_path(Path::new(path)).unwrap())
+                .unwrap();
+            assert_eq!(layout.file(index), want, "index {index} ({path})");
+            // Each golden file's content is its real path: the file we would stage is right.
+            let real = fs::read_to_string(catalog.source_path(want)).unwrap();
+            assert!(
+                real.ends_with(path.rsplit('/').next().unwrap()),
+                "{path} -> {real}"
+            );
+        }
+    }
+
+    #[test]
+    fn tree_sorts_by_path_bytes_not_walk_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        for p in ["a/x/b.jpg", "a/x-y/a.jpeg", "a/x/z/q.webp", "b.txt"] {
+            let f = tmp.path().join(p);
+            fs::create_dir_all(f.parent().unwrap()).unwrap();
+            fs::write(f, p).unwrap();
+        }
+        let catalog = Catalog::scan(tmp.path(), 2).unwrap();
+        let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
+        let paths: Vec<PathBuf> = (0..layout.len() as u32)
+            .map(|i| catalog.relative_path(layout.file(i)))
+            .collect();
+        let want: Vec<PathBuf> = ["a/x-y/a.jpeg", "a/x/b.jpg", "a/x/z/q.webp", "b.txt"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        assert_eq!(paths, want);
+    }
+
+    #[test]
+    fn list_file_errors_name_the_line() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::create_dir_all(tmp.path().join("d")).unwrap();
+        fs::write(tmp.path().join("d/a.jpg"), b"x").unwrap();
+        let catalog = Catalog::scan(tmp.path(), 1).unwrap();
+        assert_eq!(
+            parse_list(&catalog, b"d/a.jpg\nd/a.jpg\n").unwrap().len(),
+            2
+        );
+        for (text, line, needle) in [
+            (&b"d/a.jpg\n../etc/passwd\n"[..], 2, ".."),
+            (b"/etc/passwd\n", 1, "absolute"),
+            (b"d/a.jpg\n\nd/a.jpg\n", 2, "empty"),
+            (b"d/missing.jpg\n", 1, "does not exist"),
+            (b"d\n", 1, "not a regular file"),
+        ] {
+            let (got_line, reason) = parse_list(&catalog, text).unwrap_err();
+            assert_eq!(got_line, line, "{reason}");
+            assert!(reason.contains(needle), "{reason}");
+        }
+    }
+}

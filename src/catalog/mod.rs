@@ -1,0 +1,230 @@
+//! The dataset as a snapshot: every directory, regular file and symlink of SOURCE, scanned
+//! once at mount time and immutable afterwards.
+//!
+//! Training treats its dataset as read-only, so stagefs answers every metadata question
+//! (lookup, getattr, readdir) from this table instead of asking the parallel file system,
+//! whose metadata round trips are what makes small-file training slow in the first place.
+//!
+//! Layout is chosen for millions of entries: one fixed-size [`Entry`] per node in a `Vec`
+//! addressed by a `u32` id, names packed into one shared byte arena, and the children of a
+//! directory stored as a contiguous id range sorted by name, so lookup is a binary search and
+//! readdir a slice walk. Ids are assigned breadth-first; the inode number is `id + 1` so the
+//! root is FUSE's inode 1.
+
+mod layout;
+mod scan;
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use layout::{DEFAULT_EXTENSIONS, Layout, LayoutKind};
+pub use scan::ScanError;
+
+/// A catalog node id: index into [`Catalog::entries`]. The root is 0.
+pub type FileId = u32;
+
+/// Id of the root directory.
+pub const ROOT: FileId = 0;
+
+/// How many symlinks a path may pass through before we call it a loop (Linux's own limit).
+const MAX_SYMLINK_HOPS: usize = 40;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Directory,
+    File,
+    Symlink,
+}
+
+/// One node of the tree. Kept small: it is paid once per file of the dataset.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub parent: FileId,
+    name_offset: u32,
+    name_len: u16,
+    pub kind: Kind,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub mtime_secs: i64,
+    pub mtime_nanos: u32,
+    /// For directories: children are ids `first_child .. first_child + child_count`.
+    first_child: FileId,
+    child_count: u32,
+}
+
+impl Entry {
+    pub fn mtime(&self) -> SystemTime {
+        let since_epoch = Duration::new(self.mtime_secs.unsigned_abs(), self.mtime_nanos);
+        if self.mtime_secs >= 0 {
+            UNIX_EPOCH + since_epoch
+        } else {
+            UNIX_EPOCH - since_epoch
+        }
+    }
+}
+
+pub struct Catalog {
+    root_path: PathBuf,
+    entries: Vec<Entry>,
+    names: Vec<u8>,
+    /// Symlink targets, by id; rare enough that a sorted side table beats a field per entry.
+    link_targets: Vec<(FileId, OsString)>,
+    file_count: u64,
+    total_file_bytes: u64,
+}
+
+impl Catalog {
+    /// Scans `root` with `threads` concurrent metadata workers.
+    pub fn scan(root: &Path, threads: usize) -> Result<Catalog, ScanError> {
+        scan::scan(root, threads)
+    }
+
+    pub fn root_path(&self) -> &Path {
+        &self.root_path
+    }
+
+    /// Number of entries (directories, files and links); ids are below it.
+    #[allow(clippy::len_without_is_empty)] // the root always exists
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn file_count(&self) -> u64 {
+        self.file_count
+    }
+
+    pub fn total_file_bytes(&self) -> u64 {
+        self.total_file_bytes
+    }
+
+    pub fn entry(&self, id: FileId) -> Option<&Entry> {
+        self.entries.get(id as usize)
+    }
+
+    pub fn name(&self, id: FileId) -> &OsStr {
+        let e = &self.entries[id as usize];
+        let start = e.name_offset as usize;
+        OsStr::from_bytes(&self.names[start..start + e.name_len as usize])
+    }
+
+    /// Children of a directory, sorted by name bytes (empty for non-directories).
+    pub fn children(&self, dir: FileId) -> std::ops::Range<FileId> {
+        match self.entries.get(dir as usize) {
+            Some(e) if e.kind == Kind::Directory => e.first_child..e.first_child + e.child_count,
+            _ => 0..0,
+        }
+    }
+
+    pub fn lookup(&self, dir: FileId, name: &OsStr) -> Option<FileId> {
+        let range = self.children(dir);
+        let (mut lo, mut hi) = (range.start, range.end);
+        let wanted = name.as_bytes();
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.name(mid).as_bytes().cmp(wanted) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Some(mid),
+            }
+        }
+        None
+    }
+
+    pub fn link_target(&self, id: FileId) -> Option<&OsStr> {
+        self.link_targets
+            .binary_search_by_key(&id, |(k, _)| *k)
+            .ok()
+            .map(|i| self.link_targets[i].1.as_os_str())
+    }
+
+    /// Path of `id` relative to the root (empty for the root).
+    pub fn relative_path(&self, id: FileId) -> PathBuf {
+        let mut parts = Vec::new();
+        let mut cur = id;
+        while cur != ROOT {
+            parts.push(self.name(cur));
+            cur = self.entries[cur as usize].parent;
+        }
+        parts.iter().rev().collect()
+    }
+
+    /// Absolute path of `id` on SOURCE.
+    pub fn source_path(&self, id: FileId) -> PathBuf {
+        self.root_path.join(self.relative_path(id))
+    }
+
+    /// Looks up a relative path without following symlinks on the way. `..` and absolute
+    /// paths are refused: nothing outside the root is addressable.
+    pub fn lookup_path(&self, relative: &Path) -> Option<FileId> {
+        let mut cur = ROOT;
+        for comp in relative.components() {
+            match comp {
+                Component::Normal(name) => cur = self.lookup(cur, name)?,
+                Component::CurDir => {}
+                _ => return None,
+            }
+        }
+        Some(cur)
+    }
+
+    /// Follows symlinks (in every component, like the kernel would) until a non-link node.
+    /// Returns `None` for dangling links, loops, and links that leave the root: stagefs never
+    /// reads anything outside SOURCE.
+    pub fn resolve(&self, id: FileId) -> Option<FileId> {
+        self.resolve_hops(id, &mut 0)
+    }
+
+    fn resolve_hops(&self, mut id: FileId, hops: &mut usize) -> Option<FileId> {
+        while self.entries.get(id as usize)?.kind == Kind::Symlink {
+            *hops += 1;
+            if *hops > MAX_SYMLINK_HOPS {
+                return None;
+            }
+            let target = Path::new(self.link_target(id)?);
+            let mut cur = if target.is_absolute() {
+                // An absolute target is only inside the dataset if it names SOURCE itself.
+                let rest = target.strip_prefix(&self.root_path).ok()?;
+                return self.walk_from(ROOT, rest, hops);
+            } else {
+                self.entries[id as usize].parent
+            };
+            cur = self.walk_from(cur, target, hops)?;
+            id = cur;
+        }
+        Some(id)
+    }
+
+    /// Walks `path` from directory `start`, resolving symlinked directories on the way and
+    /// `..` lexically against the tree (never above the root).
+    fn walk_from(&self, start: FileId, path: &Path, hops: &mut usize) -> Option<FileId> {
+        let mut cur = start;
+        for comp in path.components() {
+            match comp {
+                Component::Normal(name) => {
+                    let dir = self.resolve_hops(cur, hops)?;
+                    cur = self.lookup(dir, name)?;
+                }
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    let dir = self.resolve_hops(cur, hops)?;
+                    if dir == ROOT {
+                        return None;
+                    }
+                    cur = self.entries[dir as usize].parent;
+                }
+                Component::RootDir | Component::Prefix(_) => return None,
+            }
+        }
+        Some(cur)
+    }
+
+    /// Every regular file id, in id order.
+    pub fn files(&self) -> impl Iterator<Item = FileId> + '_ {
+        (0..self.entries.len() as FileId).filter(|&id| self.entries[id as usize].kind == Kind::File)
+    }
+}

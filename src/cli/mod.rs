@@ -1,0 +1,167 @@
+//! The command line: argument definitions (grouped by purpose), turned into validated
+//! settings for the engine, and the subcommands' entry points.
+
+mod demo;
+pub mod mount;
+mod order_cmd;
+pub mod size;
+mod stats_cmd;
+mod unmount;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
+use crate::order::{self, GeneratorSource, OrderError, SamplerConfig, SamplerKind, TorchVersion};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "stagefs",
+    version,
+    about = "Stage a training dataset to local storage in the order the job will read it",
+    long_about = "stagefs mounts a dataset that lives on a shared parallel file system and copies its files \
+                  to node-local storage just ahead of the training job, in the exact order the job's sampler \
+                  will read them (reproduced from its seed). The job reads the mount as if it were local."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Mount SOURCE at MOUNTPOINT and stage files into --cache ahead of the reader
+    Mount(mount::MountArgs),
+    /// Unmount a stagefs mount (the daemon exits)
+    Unmount(unmount::UnmountArgs),
+    /// Print the predicted access order, one index (or path) per line
+    Order(order_cmd::OrderArgs),
+    /// Show a mount's cache statistics
+    Stats(stats_cmd::StatsArgs),
+    /// Run the whole thing on a built-in synthetic dataset and report what happened
+    Demo(demo::DemoArgs),
+}
+
+/// How the job's sampler orders sample indices.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Prediction (the job's sampler)")]
+pub struct SamplerArgs {
+    /// Sampler the job uses: torch-distributed, torch-random, numpy-legacy (alias chainer),
+    /// numpy-generator, sequential, list, none
+    #[arg(long, default_value = "torch-distributed", value_name = "NAME")]
+    pub sampler: String,
+    /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed)
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub seed: i128,
+    /// Number of ranks in the whole job (DistributedSampler num_replicas)
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub world_size: u32,
+    /// This node's rank
+    #[arg(long, conflicts_with = "ranks", value_name = "R")]
+    pub rank: Option<u32>,
+    /// Several local ranks served by one mount, e.g. 0-7 or 8,9,10
+    #[arg(long, value_name = "LIST")]
+    pub ranks: Option<String>,
+    /// DistributedSampler(drop_last=True)
+    #[arg(long)]
+    pub drop_last: bool,
+    /// DistributedSampler(shuffle=False)
+    #[arg(long)]
+    pub no_shuffle: bool,
+    /// torch-random: where the loader's randomness comes from: `loader` (DataLoader(generator=g))
+    /// or `global` (torch.manual_seed only; predictable only if nothing else draws from it)
+    #[arg(long, default_value = "loader", value_name = "SOURCE")]
+    pub generator: String,
+    /// torch-random: DataLoader(persistent_workers=True)
+    #[arg(long)]
+    pub persistent_workers: bool,
+    /// PyTorch version the job runs (randperm changed for huge datasets in 2.6)
+    #[arg(long, value_name = "X.Y")]
+    pub torch_version: Option<String>,
+    /// `list` sampler: the whole run's index order, one index per line
+    #[arg(long, value_name = "FILE")]
+    pub order_file: Option<PathBuf>,
+}
+
+impl SamplerArgs {
+    /// The sampler settings and the local ranks, checked for shape (not yet against the length).
+    pub fn config(&self) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
+        let kind: SamplerKind = self.sampler.parse()?;
+        let mut cfg = SamplerConfig::new(kind);
+        cfg.seed = self.seed;
+        cfg.world_size = self.world_size;
+        cfg.drop_last = self.drop_last;
+        cfg.shuffle = !self.no_shuffle;
+        cfg.generator = self.generator.parse::<GeneratorSource>()?;
+        cfg.persistent_workers = self.persistent_workers;
+        if let Some(v) = &self.torch_version {
+            cfg.torch_version = v.parse::<TorchVersion>()?;
+        }
+        if kind == SamplerKind::List {
+            let path = self
+                .order_file
+                .as_ref()
+                .ok_or(OrderError::MissingOrderList)?;
+            cfg.order_list = Some(Arc::new(order::parse_order_file(path)?));
+        }
+        let ranks = match (&self.ranks, self.rank) {
+            (Some(list), _) => order::parse_ranks(list)?,
+            (None, Some(r)) => vec![r],
+            (None, None) => vec![0],
+        };
+        Ok((cfg, ranks))
+    }
+}
+
+/// How the dataset class numbers its files.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Dataset layout (index → file)")]
+pub struct LayoutArgs {
+    /// imagefolder (torchvision ImageFolder), tree (all files sorted by path), list (--list-file)
+    #[arg(long, default_value = "imagefolder", value_name = "KIND")]
+    pub layout: LayoutKind,
+    /// imagefolder: file extensions that count as samples (comma separated, case-insensitive)
+    #[arg(long, value_delimiter = ',', value_name = "EXT,...")]
+    pub extensions: Option<Vec<String>>,
+    /// list layout: one relative path per line, line i = sample i
+    #[arg(long, value_name = "FILE")]
+    pub list_file: Option<PathBuf>,
+}
+
+impl LayoutArgs {
+    pub fn extensions(&self) -> Vec<String> {
+        match &self.extensions {
+            Some(list) => list
+                .iter()
+                .map(|e| {
+                    if e.starts_with('.') {
+                        e.clone()
+                    } else {
+                        format!(".{e}")
+                    }
+                })
+                .collect(),
+            None => DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+}
+
+pub fn run() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Mount(args) => mount::run(args),
+        Command::Unmount(args) => unmount::run(args),
+        Command::Order(args) => order_cmd::run(args),
+        Command::Stats(args) => stats_cmd::run(args),
+        Command::Demo(args) => demo::run(args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(message) => {
+            eprintln!("stagefs: {message}");
+            1
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! `stagefs mount`: check the request, build the engine, mount, detach, and unmount on signals.
+//!
+//! Every check that can fail on user input runs before anything is created or mounted, so a
+//! bad invocation leaves nothing behind. Without `--foreground` the command re-executes
+//! itself as a detached daemon and returns only once the mount is ready (or with the
+//! daemon's one-line error), which is what job scripts need.
+
+use std::ffi::OsString;
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::{FromRawFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use fuser::{Config, MountOption, SessionACL};
+
+use super::size::{Lookahead, parse_lookahead, parse_size};
+use super::{LayoutArgs, SamplerArgs};
+use crate::cache::CacheDir;
+use crate::catalog::{Catalog, Layout};
+use crate::fs::{MountedDataset, StageFs};
+use crate::plan::{Plan, TrackerSettings};
+use crate::stager::{Stager, StagerSettings};
+use crate::stats::Counters;
+
+/// The daemon reports readiness on this inherited file descriptor.
+const READY_FD_ENV: &str = "STAGEFS_READY_FD";
+/// Share of the cache file system kept free when --cache-size is not given.
+const DEFAULT_FREE_SHARE: f64 = 0.10;
+
+#[derive(Args, Debug, Clone)]
+pub struct MountArgs {
+    /// Dataset directory (on the parallel file system)
+    pub source: PathBuf,
+    /// Where the dataset appears (an existing empty directory)
+    pub mountpoint: PathBuf,
+
+    /// Node-local directory for staged files (created, private 0700)
+    #[arg(long, value_name = "DIR", help_heading = "Cache")]
+    pub cache: PathBuf,
+    /// Most the cache may hold, e.g. 200G, 500M [default: free space of the cache's file system minus 10% of its size]
+    #[arg(long, value_name = "SIZE", help_heading = "Cache")]
+    pub cache_size: Option<String>,
+
+    #[command(flatten)]
+    pub sampler: SamplerArgs,
+    /// Epoch the job starts at (what it passes to set_epoch first; a resumed job's epoch)
+    #[arg(
+        long,
+        default_value_t = 0,
+        help_heading = "Prediction (the job's sampler)"
+    )]
+    pub epoch: u64,
+
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+
+    /// Concurrent copies from SOURCE (a parallel file system serves many at once)
+    #[arg(long, default_value_t = 16, value_name = "N", help_heading = "Staging")]
+    pub stage_threads: usize,
+    /// How far ahead of the reader to stage: a file count (5000) or a size (20G) [default: as far as the cache allows]
+    #[arg(long, value_name = "N|SIZE", help_heading = "Staging")]
+    pub lookahead: Option<String>,
+    /// Files at least this large are read through from SOURCE while they are copied, instead of waited for
+    #[arg(
+        long,
+        default_value = "64M",
+        value_name = "SIZE",
+        help_heading = "Staging"
+    )]
+    pub read_through_above: String,
+    /// Retries of a failed source read before the reader gets EIO
+    #[arg(long, default_value_t = 3, value_name = "N", help_heading = "Staging")]
+    pub retries: u32,
+    /// Longest a reader waits for a copy before it gets EIO, in seconds
+    #[arg(
+        long,
+        default_value_t = 60,
+        value_name = "SECS",
+        help_heading = "Staging"
+    )]
+    pub open_timeout: u64,
+    /// How far out of order (in samples) the job's opens may come: about workers × prefetch × batch × local ranks
+    #[arg(
+        long,
+        default_value_t = 65_536,
+        value_name = "N",
+        help_heading = "Staging"
+    )]
+    pub window: u64,
+
+    /// Stay in the foreground instead of detaching once mounted
+    #[arg(short, long, help_heading = "Mount")]
+    pub foreground: bool,
+    /// Let other users (e.g. a job running as another uid) use the mount; SOURCE permissions are enforced
+    #[arg(long, help_heading = "Mount")]
+    pub allow_other: bool,
+    /// Threads answering FUSE requests (parallel DataLoader workers need several)
+    #[arg(long, default_value_t = 8, value_name = "N", help_heading = "Mount")]
+    pub fuse_threads: usize,
+    /// Concurrent directory scans at mount time (metadata calls to a parallel file system are slow)
+    #[arg(long, default_value_t = 16, value_name = "N", help_heading = "Mount")]
+    pub scan_threads: usize,
+    /// Serve cache hits with pread in the daemon even where FUSE passthrough is available
+    #[arg(long, help_heading = "Mount")]
+    pub no_passthrough: bool,
+    /// Log file of the detached daemon [default: CACHE/stagefs.log]
+    #[arg(long, value_name = "FILE", help_heading = "Mount")]
+    pub log_file: Option<PathBuf>,
+    /// Write Prometheus metrics to FILE every few seconds (node_exporter textfile collector)
+    #[arg(long, value_name = "FILE", help_heading = "Mount")]
+    pub metrics_file: Option<PathBuf>,
+}
+
+/// A mount that is up, with the pieces needed to tear it down.
+pub struct RunningMount {
+    pub session: fuser::BackgroundSession,
+    pub data: Arc<MountedDataset>,
+    pub passthrough: Arc<std::sync::atomic::AtomicBool>,
+    pub mountpoint: PathBuf,
+}
+
+impl RunningMount {
+    /// Unmounts and stops the stager. Returns once the FUSE session has ended.
+    pub fn stop(self) {
+        if let Err(e) = self.session.umount_and_join() {
+            log::warn!("unmounting {}: {e}", self.mountpoint.display());
+        }
+        if let Ok(data) = Arc::try_unwrap(self.data) {
+            data.stager.shutdown();
+        }
+    }
+}
+
+pub fn run(args: MountArgs) -> Result<(), String> {
+    let ready_fd: Option<RawFd> = std::env::var(READY_FD_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok());
+    if !args.foreground && ready_fd.is_none() {
+        check_paths(&args)?;
+        return spawn_daemon(&args);
+    }
+    init_logging(&args, ready_fd.is_some())?;
+    // SAFETY: the fd was created for us by the parent and is owned by this process alone.
+    let mut ready = ready_fd.map(|fd| unsafe { fs::File::from_raw_fd(fd) });
+    let started = match start(&args) {
+        Ok(m) => m,
+        Err(message) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = writeln!(r, "error: {message}");
+            }
+            log::error!("{message}");
+            return Err(message);
+        }
+    };
+    log::info!(
+        "mounted {} at {}",
+        args.source.display(),
+        args.mountpoint.display()
+    );
+    if let Some(mut r) = ready.take() {
+        let _ = writeln!(r, "ready");
+    }
+    let metrics = args.metrics_file.clone().map(|path| {
+        crate::stats::MetricsWriter::start(path, started.data.clone(), started.passthrough.clone())
+    });
+    wait_for_exit(&started);
+    if let Some(m) = metrics {
+        m.stop();
+    }
+    started.stop();
+    log::info!("unmounted {}", args.mountpoint.display());
+    Ok(())
+}
+
+/// Blocks until SIGTERM/SIGINT/SIGHUP or until the mount goes away (e.g. `fusermount3 -u`).
+fn wait_for_exit(mount: &RunningMount) {
+    let signals = blocked_signals();
+    loop {
+        let timeout = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 200_000_000,
+        };
+        // SAFETY: valid signal set and timeout; no siginfo wanted.
+        let sig = unsafe { libc::sigtimedwait(&signals, std::ptr::null_mut(), &timeout) };
+        if sig > 0 {
+            log::info!("signal {sig}: unmounting");
+            return;
+        }
+        if mount.session.guard.is_finished() {
+            log::info!("{} was unmounted", mount.mountpoint.display());
+            return;
+        }
+    }
+}
+
+/// Blocks the termination signals in this thread (and every thread started after it), so
+/// `wait_for_exit` can take them synchronously.
+fn blocked_signals() -> libc::sigset_t {
+    // SAFETY: plain sigset manipulation on a local value.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
+    let mut builder =
+        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if detached {
+        let path = args
+            .log_file
+            .clone()
+            .unwrap_or_else(|| args.cache.join("stagefs.log"));
+        if let Some(dir) = path.parent() {
+            let _ = fs::create_dir_all(dir);
+        }
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
+        builder.target(env_logger::Target::Pipe(Box::new(file)));
+    }
+    let _ = builder.try_init();
+    Ok(())
+}
+
+/// Re-executes this command as a detached daemon and waits for it to say it is mounted.
+fn spawn_daemon(args: &MountArgs) -> Result<(), String> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array. The read end is close-on-exec; the write end
+    // is inherited by the daemon.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(format!(
+            "cannot create a pipe: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let (read_fd, write_fd) = (fds[0], fds[1]);
+    let exe =
+        std::env::current_exe().map_err(|e| format!("cannot find the stagefs binary: {e}"))?;
+    let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut cmd = Command::new(exe);
+    cmd.args(argv)
+        .env(READY_FD_ENV, write_fd.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            // Keep the write end open across exec.
+            let flags = libc::fcntl(write_fd, libc::F_GETFD);
+            libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start the daemon: {e}"));
+    // SAFETY: closing our copy of the write end so EOF arrives if the daemon dies.
+    unsafe { libc::close(write_fd) };
+    let mut child = child?;
+    // SAFETY: read_fd is ours.
+    let reader = BufReader::new(unsafe { fs::File::from_raw_fd(read_fd) });
+    let line = reader
+        .lines()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    match line.as_str() {
+        "ready" => Ok(()),
+        other => {
+            let _ = child.wait();
+            let log = args
+                .log_file
+                .clone()
+                .unwrap_or_else(|| args.cache.join("stagefs.log"));
+            Err(other
+                .strip_prefix("error: ")
+                .map(str::to_string)
+                .unwrap_or_else(|| {
+                    format!("the daemon exited while starting; see {}", log.display())
+                }))
+        }
+    }
+}
+
+/// Checks everything about the paths that can be checked without creating anything.
+pub fn check_paths(args: &MountArgs) -> Result<(), String> {
+    let source = &args.source;
+    let meta = fs::metadata(source).map_err(|e| format!("source {}: {e}", source.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("source {} is not a directory", source.display()));
+    }
+    fs::read_dir(source)
+        .map_err(|e| format!("source {} is not readable: {e}", source.display()))?;
+    let mp = &args.mountpoint;
+    let mp_meta = match fs::metadata(mp) {
+        Ok(m) => m,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            return Err(format!(
+                "mountpoint {} is a dead FUSE mount (its daemon is gone); run `stagefs unmount {}` first",
+                mp.display(),
+                mp.display()
+            ));
+        }
+        Err(e) => return Err(format!("mountpoint {}: {e}", mp.display())),
+    };
+    if !mp_meta.is_dir() {
+        return Err(format!("mountpoint {} is not a directory", mp.display()));
+    }
+    if is_mount_point(mp) {
+        return Err(format!(
+            "mountpoint {} is already a mount point; unmount it first or pick another directory",
+            mp.display()
+        ));
+    }
+    let source_abs =
+        fs::canonicalize(source).map_err(|e| format!("source {}: {e}", source.display()))?;
+    let mp_abs = fs::canonicalize(mp).map_err(|e| format!("mountpoint {}: {e}", mp.display()))?;
+    let cache_abs = absolute_for_new(&args.cache)?;
+    for (a, an, b, bn) in [
+        (&cache_abs, "cache", &source_abs, "source"),
+        (&cache_abs, "cache", &mp_abs, "mountpoint"),
+        (&mp_abs, "mountpoint", &source_abs, "source"),
+    ] {
+        if a.starts_with(b) || b.starts_with(a) {
+            return Err(format!(
+                "{an} {} and {bn} {} overlap; they must be separate directories",
+                a.display(),
+                b.display()
+            ));
+        }
+    }
+    if let Ok(m) = fs::metadata(&args.cache)
+        && !m.is_dir()
+    {
+        return Err(format!("cache {} is not a directory", args.cache.display()));
+    }
+    check_fuse_available()?;
+    Ok(())
+}
+
+/// Absolute, symlink-resolved form of a path that may not exist yet.
+fn absolute_for_new(path: &Path) -> Result<PathBuf, String> {
+    let abs = std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        rest.push(
+            existing
+                .file_name()
+                .map(|n| n.to_os_string())
+                .unwrap_or_default(),
+        );
+        existing = existing
+            .parent()
+            .ok_or_else(|| format!("{}: no existing parent", path.display()))?;
+    }
+    let mut out = fs::canonicalize(existing).map_err(|e| format!("{}: {e}", existing.display()))?;
+    out.extend(rest.iter().rev());
+    Ok(out)
+}
+
+/// True if `path` is itself a mount point (its device differs from its parent's, or it is
+/// listed in /proc/self/mountinfo, which also catches bind mounts of the same device).
+pub fn is_mount_point(path: &Path) -> bool {
+    let Ok(abs) = fs::canonicalize(path) else {
+        return false;
+    };
+    if let (Ok(m), Some(parent)) = (fs::metadata(&abs), abs.parent())
+        && let Ok(pm) = fs::metadata(parent)
+        && m.dev() != pm.dev()
+    {
+        return true;
+    }
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|p| Path::new(&unescape_mountinfo(p)) == abs)
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+pub fn unescape_mountinfo(s: &str) -> String {
+    let mut out = Vec::with_capacity(s.len());
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn check_fuse_available() -> Result<(), String> {
+    if let Err(e) = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+    {
+        return Err(format!(
+            "cannot open /dev/fuse ({e}): load the fuse module (`modprobe fuse`) or, in a container, pass the device (--device /dev/fuse)"
+        ));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root && which("fusermount3").is_none() {
+        return Err("fusermount3 not found: install FUSE 3 (`apt-get install fuse3` or `dnf install fuse3`)".into());
+    }
+    Ok(())
+}
+
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+/// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
+pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
+    check_paths(args)?;
+    let (sampler, ranks) = args.sampler.config().map_err(|e| e.to_string())?;
+    let cache_size = args
+        .cache_size
+        .as_deref()
+        .map(parse_size)
+        .transpose()
+        .map_err(|e| format!("--cache-size: {e}"))?;
+    let lookahead = args
+        .lookahead
+        .as_deref()
+        .map(parse_lookahead)
+        .transpose()
+        .map_err(|e| format!("--lookahead: {e}"))?;
+    let read_through_above =
+        parse_size(&args.read_through_above).map_err(|e| format!("--read-through-above: {e}"))?;
+    if args.stage_threads == 0 || args.fuse_threads == 0 || args.scan_threads == 0 {
+        return Err("--stage-threads, --fuse-threads and --scan-threads must be at least 1".into());
+    }
+    if args.window == 0 {
+        return Err("--window must be at least 1".into());
+    }
+    let source = fs::canonicalize(&args.source)
+        .map_err(|e| format!("source {}: {e}", args.source.display()))?;
+
+    let catalog = Arc::new(Catalog::scan(&source, args.scan_threads).map_err(|e| e.to_string())?);
+    let layout = Arc::new(
+        Layout::build(
+            &catalog,
+            args.layout.layout,
+            &args.layout.extensions(),
+            args.layout.list_file.as_deref(),
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    if !layout.classes().is_empty() {
+        log::info!(
+            "{} classes, {} samples",
+            layout.classes().len(),
+            layout.len()
+        );
+    }
+    let sampler_name = format!("{}", sampler.kind);
+    let plan =
+        Arc::new(Plan::new(sampler, ranks, layout, catalog.len()).map_err(|e| e.to_string())?);
+    let cache =
+        CacheDir::open(&absolute_for_new(&args.cache)?, &source).map_err(|e| e.to_string())?;
+    let capacity = match cache_size {
+        Some(c) => c,
+        None => {
+            let (free, total) = cache
+                .filesystem_space()
+                .map_err(|e| format!("cache {}: {e}", args.cache.display()))?;
+            free.saturating_sub((total as f64 * DEFAULT_FREE_SHARE) as u64)
+        }
+    };
+    let (lookahead_files, lookahead_bytes) = match lookahead {
+        Some(Lookahead::Files(n)) => (n.max(1), u64::MAX),
+        Some(Lookahead::Bytes(b)) => (u64::MAX, b.max(1)),
+        None => (u64::MAX, u64::MAX),
+    };
+    let settings = StagerSettings {
+        threads: args.stage_threads,
+        lookahead_files,
+        lookahead_bytes,
+        capacity,
+        read_through_above,
+        retries: args.retries,
+        open_timeout: Duration::from_secs(args.open_timeout.max(1)),
+        tracker: TrackerSettings {
+            window: args.window,
+            ..TrackerSettings::default()
+        },
+    };
+    let counters = Arc::new(Counters::default());
+    // Signals must be blocked before any thread exists so none of them takes a SIGTERM.
+    blocked_signals();
+    let stager = Stager::start(
+        catalog.clone(),
+        cache,
+        plan.clone(),
+        settings,
+        counters.clone(),
+    );
+    if args.epoch > 0 {
+        stager.set_epoch(args.epoch);
+    }
+    log::info!(
+        "{} files ({} bytes); {} positions per epoch on this node; cache capacity {} bytes",
+        catalog.file_count(),
+        catalog.total_file_bytes(),
+        plan.epoch_len(),
+        capacity
+    );
+    let data = Arc::new(MountedDataset {
+        catalog,
+        stager,
+        counters,
+        sampler_name,
+        started: Instant::now(),
+        passthrough_wanted: !args.no_passthrough,
+    });
+    let fs_impl = StageFs::new(data.clone());
+    let passthrough = fs_impl.passthrough_flag();
+    let mut config = Config::default();
+    config.mount_options = vec![
+        MountOption::FSName(source.display().to_string()),
+        MountOption::Subtype("stagefs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoAtime,
+    ];
+    config.acl = if args.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    config.n_threads = Some(args.fuse_threads);
+    config.clone_fd = true;
+    let session = fuser::spawn_mount(fs_impl, &args.mountpoint, &config)
+        .map_err(|e| format!("cannot mount at {}: {e}", args.mountpoint.display()))?;
+    log::info!("passthrough in use: {}", passthrough.load(Ordering::SeqCst));
+    Ok(RunningMount {
+        session,
+        data,
+        passthrough,
+        mountpoint: args.mountpoint.clone(),
+    })
+}

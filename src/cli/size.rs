@@ -1,0 +1,121 @@
+//! Parsing the sizes and counts users type: `200G`, `500M`, `1.5T`, `4096`.
+
+/// Byte multipliers, binary as `df -h` and `du -h` mean them.
+const UNITS: &[(&str, u64)] = &[
+    ("K", 1 << 10),
+    ("M", 1 << 20),
+    ("G", 1 << 30),
+    ("T", 1 << 40),
+    ("P", 1 << 50),
+];
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "'{input}' is not a size: use a number with an optional K, M, G, T or P suffix (powers of 1024), e.g. 500M or 1.5T"
+)]
+pub struct SizeError {
+    input: String,
+}
+
+/// Parses a byte size. Suffixes may be followed by `i`/`iB`/`B` (`10GiB`, `10GB`), all binary.
+pub fn parse_size(input: &str) -> Result<u64, SizeError> {
+    let err = || SizeError {
+        input: input.to_string(),
+    };
+    let s = input.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
+        return Err(err());
+    }
+    let unit = unit.trim_start();
+    let multiplier = if unit.is_empty() || unit.eq_ignore_ascii_case("b") {
+        1
+    } else {
+        let upper = unit.to_ascii_uppercase();
+        let letter = upper.trim_end_matches('B').trim_end_matches('I');
+        UNITS
+            .iter()
+            .find(|(u, _)| *u == letter)
+            .map(|(_, m)| *m)
+            .ok_or_else(err)?
+    };
+    let bytes = match number.split_once('.') {
+        None => number
+            .parse::<u64>()
+            .map_err(|_| err())?
+            .checked_mul(multiplier)
+            .ok_or_else(err)?,
+        Some(_) => {
+            let value: f64 = number.parse().map_err(|_| err())?;
+            let bytes = value * multiplier as f64;
+            if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+                return Err(err());
+            }
+            bytes.round() as u64
+        }
+    };
+    Ok(bytes)
+}
+
+/// `--lookahead`: a plain number counts files, a size (with a unit) bounds bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookahead {
+    Files(u64),
+    Bytes(u64),
+}
+
+pub fn parse_lookahead(input: &str) -> Result<Lookahead, String> {
+    let s = input.trim();
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse()
+            .map(Lookahead::Files)
+            .map_err(|_| format!("'{input}' is too large"));
+    }
+    parse_size(s)
+        .map(Lookahead::Bytes)
+        .map_err(|_| format!("'{input}' is neither a file count (e.g. 5000) nor a size (e.g. 20G)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("500M"), Ok(500 << 20));
+        assert_eq!(parse_size("200G"), Ok(200 << 30));
+        assert_eq!(parse_size("1.5T"), Ok(3 << 39));
+        assert_eq!(parse_size("10GiB"), Ok(10 << 30));
+        assert_eq!(parse_size("10gb"), Ok(10 << 30));
+        assert_eq!(parse_size("7 K"), Ok(7 << 10));
+        assert_eq!(parse_size("0"), Ok(0));
+        for bad in [
+            "",
+            "G",
+            "12QB",
+            "-5M",
+            "1.2.3G",
+            "5MM",
+            ".5G",
+            "5.G",
+            "99999999999999999999",
+            "16384P",
+            "1e9",
+            "NaN",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn lookahead() {
+        assert_eq!(parse_lookahead("5000"), Ok(Lookahead::Files(5000)));
+        assert_eq!(parse_lookahead("20G"), Ok(Lookahead::Bytes(20 << 30)));
+        assert!(parse_lookahead("lots").is_err());
+    }
+}

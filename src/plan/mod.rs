@@ -1,0 +1,219 @@
+//! The node's predicted stream: which file is read at each position of each epoch.
+//!
+//! A sampler gives sample indices per rank; a node serves several local ranks whose streams
+//! interleave, and the layout turns indices into files. This module composes the three into
+//! one stream of file ids per epoch and indexes it backwards (file → its positions) so the
+//! stager can ask "when is this file next needed?", the question Belady eviction runs on.
+//!
+//! Epochs are computed on demand and only a few are kept: the run is never materialised.
+
+mod tracker;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::catalog::{FileId, Layout};
+use crate::order::{OrderError, SamplerConfig};
+
+pub use tracker::{Tracker, TrackerMode, TrackerSettings, find_position};
+
+/// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
+/// comparable across the epoch boundary.
+pub type Position = u64;
+
+/// "Not needed again within the horizon we know": evicted first.
+pub const NEVER: Position = Position::MAX;
+
+/// Epoch plans kept in memory: the cursor's epoch, the next one the stager runs into, and one
+/// spare so a reader straddling the boundary does not make us recompute.
+const CACHED_EPOCHS: usize = 3;
+
+/// One epoch of the node stream, with its inverse.
+pub struct EpochPlan {
+    pub epoch: u64,
+    /// File read at each offset of the epoch ([`Layout::NO_FILE`] for unservable samples).
+    pub stream: Vec<FileId>,
+    /// `positions[starts[f]..starts[f + 1]]` are the offsets (ascending) where file f is read.
+    starts: Vec<u32>,
+    positions: Vec<u32>,
+}
+
+impl EpochPlan {
+    fn build(epoch: u64, stream: Vec<FileId>, file_count: usize) -> EpochPlan {
+        // Counting sort: a CSR index in two passes, no per-file allocation.
+        let mut starts = vec![0u32; file_count + 1];
+        for &f in &stream {
+            if f != Layout::NO_FILE {
+                starts[f as usize + 1] += 1;
+            }
+        }
+        for i in 1..starts.len() {
+            starts[i] += starts[i - 1];
+        }
+        let mut fill = starts.clone();
+        let mut positions = vec![0u32; starts[file_count] as usize];
+        for (offset, &f) in stream.iter().enumerate() {
+            if f != Layout::NO_FILE {
+                positions[fill[f as usize] as usize] = offset as u32;
+                fill[f as usize] += 1;
+            }
+        }
+        EpochPlan {
+            epoch,
+            stream,
+            starts,
+            positions,
+        }
+    }
+
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> u64 {
+        self.stream.len() as u64
+    }
+
+    /// Offsets at which `file` is read in this epoch, ascending.
+    pub fn offsets_of(&self, file: FileId) -> &[u32] {
+        match (
+            self.starts.get(file as usize),
+            self.starts.get(file as usize + 1),
+        ) {
+            (Some(&a), Some(&b)) => &self.positions[a as usize..b as usize],
+            _ => &[],
+        }
+    }
+
+    /// First offset ≥ `from` where `file` is read.
+    pub fn next_offset(&self, file: FileId, from: u64) -> Option<u64> {
+        let offs = self.offsets_of(file);
+        let i = offs.partition_point(|&o| (o as u64) < from);
+        offs.get(i).map(|&o| o as u64)
+    }
+}
+
+/// The whole prediction: sampler settings, local ranks and layout, producing epoch plans.
+pub struct Plan {
+    sampler: SamplerConfig,
+    ranks: Vec<u32>,
+    layout: Arc<Layout>,
+    /// Number of catalog entries (file ids are below this).
+    id_space: usize,
+    epoch_len: u64,
+    recent: Mutex<VecDeque<Arc<EpochPlan>>>,
+}
+
+impl Plan {
+    pub fn new(
+        sampler: SamplerConfig,
+        ranks: Vec<u32>,
+        layout: Arc<Layout>,
+        id_space: usize,
+    ) -> Result<Plan, OrderError> {
+        let len = layout.len() as u64;
+        sampler.validate(len, &ranks)?;
+        let epoch_len = if sampler.predicts() {
+            sampler.samples_per_rank(len) * ranks.len() as u64
+        } else {
+            0
+        };
+        Ok(Plan {
+            sampler,
+            ranks,
+            layout,
+            id_space,
+            epoch_len,
+            recent: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    pub fn predicts(&self) -> bool {
+        self.sampler.predicts() && self.epoch_len > 0
+    }
+
+    /// Positions per epoch on this node (all local ranks together).
+    pub fn epoch_len(&self) -> u64 {
+        self.epoch_len
+    }
+
+    pub fn sampler(&self) -> &SamplerConfig {
+        &self.sampler
+    }
+
+    pub fn ranks(&self) -> &[u32] {
+        &self.ranks
+    }
+
+    /// The plan of `epoch`, computed on first use and kept among the last few.
+    pub fn epoch(&self, epoch: u64) -> Arc<EpochPlan> {
+        if let Some(p) = self.recent.lock().iter().find(|p| p.epoch == epoch) {
+            return p.clone();
+        }
+        let plan = Arc::new(self.compute(epoch));
+        let mut recent = self.recent.lock();
+        if !recent.iter().any(|p| p.epoch == epoch) {
+            if recent.len() >= CACHED_EPOCHS {
+                recent.pop_front();
+            }
+            recent.push_back(plan.clone());
+        }
+        plan
+    }
+
+    /// Node stream of `epoch` as file ids, without the inverse index (for resynchronisation
+    /// scans, which look at many epochs once).
+    pub fn stream(&self, epoch: u64) -> Vec<FileId> {
+        // validate() ran in new(): the sampler cannot fail for these settings any more.
+        let indices = self
+            .sampler
+            .node_order(self.layout.len() as u64, epoch, &self.ranks)
+            .unwrap_or_default();
+        indices.into_iter().map(|i| self.layout.file(i)).collect()
+    }
+
+    fn compute(&self, epoch: u64) -> EpochPlan {
+        let started = std::time::Instant::now();
+        let plan = EpochPlan::build(epoch, self.stream(epoch), self.id_space);
+        log::debug!(
+            "planned epoch {epoch}: {} positions in {:.1?}",
+            plan.len(),
+            started.elapsed()
+        );
+        plan
+    }
+
+    /// Converts a global position to (epoch, offset).
+    pub fn split(&self, pos: Position) -> (u64, u64) {
+        (pos / self.epoch_len.max(1), pos % self.epoch_len.max(1))
+    }
+
+    pub fn join(&self, epoch: u64, offset: u64) -> Position {
+        epoch.saturating_mul(self.epoch_len).saturating_add(offset)
+    }
+
+    /// File at a global position.
+    pub fn file_at(&self, pos: Position) -> FileId {
+        let (e, o) = self.split(pos);
+        self.epoch(e)
+            .stream
+            .get(o as usize)
+            .copied()
+            .unwrap_or(Layout::NO_FILE)
+    }
+
+    /// Next global position ≥ `from` at which `file` is read, looking no further than the end
+    /// of the epoch after `from`'s (the horizon the stager plans for).
+    pub fn next_use(&self, file: FileId, from: Position) -> Position {
+        if !self.predicts() {
+            return NEVER;
+        }
+        let (e, o) = self.split(from);
+        if let Some(off) = self.epoch(e).next_offset(file, o) {
+            return self.join(e, off);
+        }
+        match self.epoch(e + 1).next_offset(file, 0) {
+            Some(off) => self.join(e + 1, off),
+            None => NEVER,
+        }
+    }
+}

@@ -1,0 +1,816 @@
+//! The engine: copies files from SOURCE into the cache ahead of the reader and serves opens.
+//!
+//! A pool of copy workers takes jobs from two places: an urgent queue of files a reader is
+//! waiting for (single-flight: one copy however many readers wait), then the staging frontier,
+//! which walks the predicted stream ahead of the tracker's cursor, bounded by the lookahead and
+//! by the cache capacity. Capacity is enforced with Belady's rule: a file is staged only if the
+//! cache has room or holds a file needed later than it; that file is evicted.
+//!
+//! Per-file state: `Remote → Queued/Staging → Cached → (evicted) Remote`. Readers never wait
+//! on a lock held across I/O: an open of a file not yet cached leaves its reply callback with
+//! the file, and whoever finishes the copy (or the timeout sweep) answers it.
+//!
+//! Faults: source read errors are retried with backoff and then answered with EIO to the
+//! readers of that file only, while the frontier pauses and resumes by itself; a full cache file
+//! system lowers the effective capacity and the reader is served from SOURCE instead; a wrong
+//! prediction is never an error to a reader.
+
+mod eviction;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::File;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::cache::{CacheDir, CopyError};
+use crate::catalog::{Catalog, FileId, Layout};
+use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
+use crate::stats::{Counters, Gauges};
+use eviction::EvictionIndex;
+
+/// Backoff before retrying a failed source read: 0.1 s, 0.4 s, 1.6 s … Long enough to ride out
+/// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
+const RETRY_BASE: Duration = Duration::from_millis(100);
+/// Longest pause of the frontier while the source keeps failing.
+const MAX_PAUSE: Duration = Duration::from_secs(10);
+/// How often the sweeper checks waiter deadlines and pause expiry.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
+/// Opens between two resynchronisation attempts while lost.
+const RESYNC_EVERY: u64 = 4096;
+/// Positions a resynchronisation may scan in total (epochs × epoch length), to bound its CPU.
+const RESYNC_BUDGET: u64 = 200_000_000;
+
+#[derive(Clone, Debug)]
+pub struct StagerSettings {
+    pub threads: usize,
+    pub lookahead_files: u64,
+    pub lookahead_bytes: u64,
+    pub capacity: u64,
+    /// Files at least this large are read through from SOURCE while their copy proceeds.
+    pub read_through_above: u64,
+    pub retries: u32,
+    /// A reader waiting longer than this for a copy gets EIO.
+    pub open_timeout: Duration,
+    pub tracker: TrackerSettings,
+}
+
+/// What an open is answered with: a file to read from, cache or SOURCE.
+#[derive(Debug)]
+pub struct Opened {
+    pub file: File,
+    pub from_cache: bool,
+}
+
+/// Errno for the reader (EIO, ESTALE, ENOENT).
+pub type OpenResult = Result<Opened, i32>;
+pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum FileState {
+    Remote,
+    /// In the urgent queue, not started.
+    Queued,
+    Staging,
+    Cached,
+}
+
+struct Waiter {
+    reply: OpenCallback,
+    since: Instant,
+}
+
+struct Job {
+    file: FileId,
+    /// The frontier position it was staged for (None: urgent).
+    position: Option<Position>,
+}
+
+struct State {
+    tracker: Tracker,
+    files: HashMap<FileId, FileState>,
+    waiters: HashMap<FileId, Vec<Waiter>>,
+    urgent: VecDeque<FileId>,
+    evict: EvictionIndex,
+    /// Staged ahead and not opened since: evicting these is wasted staging.
+    unread: HashSet<FileId>,
+    used: u64,
+    reserved: u64,
+    capacity: u64,
+    frontier: Position,
+    /// Bytes of the positions in [cursor, frontier).
+    ahead_bytes: u64,
+    paused_until: Option<Instant>,
+    consecutive_failures: u32,
+    /// Files whose source changed: never staged again by the frontier.
+    changed: HashSet<FileId>,
+    access_seq: u64,
+    opens_since_resync: u64,
+    resync_running: bool,
+    lost_reported: bool,
+}
+
+struct Inner {
+    catalog: Arc<Catalog>,
+    cache: CacheDir,
+    plan: Arc<Plan>,
+    settings: StagerSettings,
+    counters: Arc<Counters>,
+    state: Mutex<State>,
+    work: Condvar,
+    shutdown: AtomicBool,
+}
+
+pub struct Stager {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Replies to run once the state lock is released.
+type Deferred = Vec<(OpenCallback, OpenResult)>;
+
+impl Stager {
+    pub fn start(
+        catalog: Arc<Catalog>,
+        cache: CacheDir,
+        plan: Arc<Plan>,
+        settings: StagerSettings,
+        counters: Arc<Counters>,
+    ) -> Stager {
+        let tracker = Tracker::new(plan.clone(), settings.tracker);
+        let mut state = State {
+            tracker,
+            files: HashMap::new(),
+            waiters: HashMap::new(),
+            urgent: VecDeque::new(),
+            evict: EvictionIndex::default(),
+            unread: HashSet::new(),
+            used: 0,
+            reserved: 0,
+            capacity: settings.capacity,
+            frontier: 0,
+            ahead_bytes: 0,
+            paused_until: None,
+            consecutive_failures: 0,
+            changed: HashSet::new(),
+            access_seq: 0,
+            opens_since_resync: 0,
+            resync_running: false,
+            lost_reported: false,
+        };
+        for (file, size) in cache.reuse(&catalog) {
+            state.files.insert(file, FileState::Cached);
+            state.used += size;
+            state.evict.set_next_use(file, plan.next_use(file, 0));
+            Counters::add(&counters.reused_files, 1);
+        }
+        if state.used > 0 {
+            log::info!(
+                "cache: reusing {} files ({} bytes) from a previous mount",
+                state.evict.len(),
+                state.used
+            );
+        }
+        let inner = Arc::new(Inner {
+            catalog,
+            cache,
+            plan,
+            settings: settings.clone(),
+            counters,
+            state: Mutex::new(state),
+            work: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        {
+            // Reused files beyond capacity (a smaller --cache-size than last time) go now.
+            let mut st = inner.state.lock();
+            inner.make_room(&mut st, 0, NEVER - 1);
+        }
+        let mut threads = Vec::new();
+        for i in 0..settings.threads.max(1) {
+            let inner = inner.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("stage-{i}"))
+                    .spawn(move || inner.worker())
+                    .expect("spawn stager thread"),
+            );
+        }
+        let sweeper = inner.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("stage-sweep".into())
+                .spawn(move || sweeper.sweeper())
+                .expect("spawn sweeper"),
+        );
+        Stager { inner, threads }
+    }
+
+    /// A reader opens `file`; `reply` is called exactly once, possibly from another thread.
+    pub fn open(&self, file: FileId, reply: OpenCallback) {
+        self.inner.open(file, reply);
+    }
+
+    /// Whether `file` is complete in the cache, being staged, or only on SOURCE.
+    pub fn file_state(&self, file: FileId) -> &'static str {
+        match self.inner.state.lock().files.get(&file) {
+            Some(FileState::Cached) => "cached",
+            Some(FileState::Staging | FileState::Queued) => "staging",
+            _ => "remote",
+        }
+    }
+
+    /// How many of `files` are cached.
+    pub fn cached_count(&self, files: impl Iterator<Item = FileId>) -> u64 {
+        let st = self.inner.state.lock();
+        files
+            .filter(|f| st.files.get(f) == Some(&FileState::Cached))
+            .count() as u64
+    }
+
+    pub fn plan_predicts(&self) -> bool {
+        self.inner.plan.predicts()
+    }
+
+    /// The job says it (re)starts at `epoch` (`setfattr -n user.stagefs.epoch`).
+    pub fn set_epoch(&self, epoch: u64) {
+        let mut st = self.inner.state.lock();
+        let pos = self.inner.plan.join(epoch, 0);
+        self.inner.reposition(&mut st, pos);
+        log::info!("told the job is at epoch {epoch}: staging from there");
+        drop(st);
+        self.inner.work.notify_all();
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let st = self.inner.state.lock();
+        let (epoch, position) = st.tracker.epoch_position();
+        Gauges {
+            cache_used_bytes: st.used,
+            cache_capacity_bytes: st.capacity,
+            cached_files: st.evict.len() as u64,
+            mispredictions: st.tracker.mispredictions(),
+            epoch,
+            position,
+            epoch_len: self.inner.plan.epoch_len(),
+            frontier: st.frontier.saturating_sub(st.tracker.cursor()),
+            mode: match st.tracker.mode() {
+                TrackerMode::Predicting => "predicting",
+                TrackerMode::Lost => "lost",
+                TrackerMode::OnDemand => "on-demand",
+            },
+        }
+    }
+
+    pub fn shutdown(mut self) {
+        self.inner.shutdown.store(true, Ordering::SeqCst);
+        self.inner.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_deferred(deferred: Deferred) {
+    for (reply, result) in deferred {
+        reply(result);
+    }
+}
+
+impl Inner {
+    fn size_of(&self, file: FileId) -> u64 {
+        self.catalog.entry(file).map_or(0, |e| e.size)
+    }
+
+    fn open_cached(&self, file: FileId) -> std::io::Result<File> {
+        File::open(self.cache.path_for(&self.catalog.relative_path(file)))
+    }
+
+    fn open_source(&self, file: FileId) -> OpenResult {
+        let path = self.catalog.source_path(file);
+        let f = File::open(&path).map_err(|e| {
+            log::warn!("cannot open {} on the source: {e}", path.display());
+            e.raw_os_error().unwrap_or(libc::EIO)
+        })?;
+        // The dataset is a snapshot: a file that changed since the mount is not served mixed.
+        let entry = self.catalog.entry(file).expect("catalog file");
+        match f.metadata() {
+            Ok(m)
+                if m.len() == entry.size
+                    && std::os::unix::fs::MetadataExt::mtime(&m) == entry.mtime_secs =>
+            {
+                Ok(Opened {
+                    file: f,
+                    from_cache: false,
+                })
+            }
+            _ => {
+                log::warn!(
+                    "{} changed on the source since it was mounted; remount to see the new version",
+                    path.display()
+                );
+                Err(libc::ESTALE)
+            }
+        }
+    }
+
+    fn open(self: &Arc<Self>, file: FileId, reply: OpenCallback) {
+        let started = Instant::now();
+        let mut st = self.state.lock();
+        self.track_open(&mut st, file);
+        let state = st.files.get(&file).copied().unwrap_or(FileState::Remote);
+        if state == FileState::Cached {
+            match self.open_cached(file) {
+                Ok(f) => {
+                    drop(st);
+                    Counters::add(&self.counters.hits, 1);
+                    reply(Ok(Opened {
+                        file: f,
+                        from_cache: true,
+                    }));
+                    return;
+                }
+                Err(e) => {
+                    // Someone removed it behind our back: forget it and stage again.
+                    log::warn!(
+                        "cached copy of {} vanished ({e}); staging it again",
+                        self.catalog.relative_path(file).display()
+                    );
+                    self.forget_cached(&mut st, file);
+                }
+            }
+        }
+        Counters::add(&self.counters.misses, 1);
+        let size = self.size_of(file);
+        let read_through = size >= self.settings.read_through_above;
+        if state == FileState::Remote || state == FileState::Cached {
+            st.files.insert(file, FileState::Queued);
+            st.urgent.push_back(file);
+            self.work.notify_one();
+        }
+        if read_through {
+            drop(st);
+            let result = self.open_source(file);
+            Counters::add(
+                &self.counters.stall_nanos,
+                started.elapsed().as_nanos() as u64,
+            );
+            reply(result);
+        } else {
+            st.waiters.entry(file).or_default().push(Waiter {
+                reply,
+                since: started,
+            });
+        }
+    }
+
+    /// Feeds an open to the tracker and keeps eviction keys and the frontier consistent with
+    /// where the cursor went.
+    fn track_open(self: &Arc<Self>, st: &mut MutexGuard<'_, State>, file: FileId) {
+        st.unread.remove(&file);
+        st.access_seq += 1;
+        let epoch_before = st.tracker.epoch_position().0;
+        let m = st.tracker.on_open(file);
+        match st.tracker.mode() {
+            TrackerMode::Predicting => {
+                if let Some((from, to)) = m.passed {
+                    self.cursor_passed(st, from, to);
+                }
+                if st.tracker.epoch_position().0 != epoch_before {
+                    // A new epoch enters the horizon: every next use may have changed.
+                    self.rekey_all(st);
+                } else if st.evict.contains(file) {
+                    let next = self
+                        .plan
+                        .next_use(file, m.position.map_or(st.tracker.cursor(), |p| p + 1));
+                    st.evict.set_next_use(file, next);
+                }
+                self.work.notify_all();
+            }
+            TrackerMode::Lost | TrackerMode::OnDemand => {
+                let seq = st.access_seq;
+                if st.evict.contains(file) {
+                    st.evict.set_recently_used(file, seq);
+                }
+            }
+        }
+        if m.became_lost && !st.lost_reported {
+            st.lost_reported = true;
+            log::warn!("{}", self.lost_message(st));
+        }
+        if st.tracker.mode() == TrackerMode::Lost {
+            st.opens_since_resync += 1;
+            if !st.resync_running && (m.became_lost || st.opens_since_resync >= RESYNC_EVERY) {
+                st.resync_running = true;
+                st.opens_since_resync = 0;
+                self.spawn_resync(st.tracker.recent_files(), st.tracker.epoch_position().0);
+            }
+        }
+    }
+
+    fn lost_message(&self, st: &State) -> String {
+        let s = self.plan.sampler();
+        let ranks: Vec<String> = self.plan.ranks().iter().map(|r| r.to_string()).collect();
+        format!(
+            "opens do not follow {} seed {} rank {} of {} (around epoch {}): check --sampler / --seed / --rank / --world-size, \
+             or tell stagefs the epoch with `setfattr -n user.stagefs.epoch -v E MOUNT`; until it finds its place again \
+             stagefs caches files as they are read",
+            s.kind,
+            s.seed,
+            ranks.join(","),
+            s.world_size,
+            st.tracker.epoch_position().0
+        )
+    }
+
+    /// Looks for the epoch and position the recent opens follow, off the open path.
+    fn spawn_resync(self: &Arc<Self>, recent: Vec<FileId>, around_epoch: u64) {
+        // From epoch 0 (a job restarted from scratch) to well past the current epoch (a resumed
+        // job), within a CPU budget.
+        let span = (RESYNC_BUDGET / self.plan.epoch_len().max(1)).clamp(2, 1000);
+        let epochs = 0..around_epoch.saturating_add(span / 2).max(span);
+        let inner = self.clone();
+        std::thread::spawn(move || {
+            let found = crate::plan::find_position(
+                &inner.plan,
+                &recent,
+                epochs.clone(),
+                inner.settings.tracker.window,
+            );
+            let mut st = inner.state.lock();
+            st.resync_running = false;
+            match found {
+                Some(pos) if st.tracker.mode() == TrackerMode::Lost => {
+                    inner.reposition(&mut st, pos);
+                    let (e, o) = inner.plan.split(pos);
+                    log::warn!(
+                        "found the job's place again: epoch {e}, position {o}; staging ahead resumes"
+                    );
+                    st.lost_reported = false;
+                }
+                Some(_) => {}
+                None => log::info!(
+                    "recent opens match no position in epochs {}..{}; still caching on demand",
+                    epochs.start,
+                    epochs.end
+                ),
+            }
+            drop(st);
+            inner.work.notify_all();
+        });
+    }
+
+    /// Moves the tracker (and with it the frontier) to `pos`.
+    fn reposition(&self, st: &mut State, pos: Position) {
+        st.tracker.reposition(pos);
+        st.frontier = st.tracker.cursor();
+        st.ahead_bytes = 0;
+        self.rekey_all(st);
+    }
+
+    /// The cursor moved over [from, to): those files' next uses are now later, and the
+    /// lookahead window slid.
+    fn cursor_passed(&self, st: &mut State, from: Position, to: Position) {
+        let mut pos = from;
+        while pos < to {
+            let (epoch, offset) = self.plan.split(pos);
+            let plan = self.plan.epoch(epoch);
+            let end = (to - pos).min(plan.len() - offset);
+            for off in offset..offset + end {
+                let file = plan.stream[off as usize];
+                if file == Layout::NO_FILE {
+                    continue;
+                }
+                if pos + (off - offset) < st.frontier {
+                    st.ahead_bytes = st.ahead_bytes.saturating_sub(self.size_of(file));
+                }
+                if st.evict.contains(file) {
+                    st.evict.set_next_use(file, self.plan.next_use(file, to));
+                }
+            }
+            pos += end;
+        }
+        if st.frontier < to {
+            st.frontier = to;
+            st.ahead_bytes = 0;
+        }
+    }
+
+    fn rekey_all(&self, st: &mut State) {
+        let cursor = st.tracker.cursor();
+        for file in st.evict.files() {
+            st.evict
+                .set_next_use(file, self.plan.next_use(file, cursor));
+        }
+    }
+
+    fn forget_cached(&self, st: &mut State, file: FileId) {
+        if st.evict.contains(file) {
+            st.evict.remove(file);
+            st.used = st.used.saturating_sub(self.size_of(file));
+        }
+        st.files.remove(&file);
+        st.unread.remove(&file);
+    }
+
+    fn evict(&self, st: &mut State, file: FileId) {
+        let size = self.size_of(file);
+        self.cache.remove(&self.catalog.relative_path(file));
+        self.forget_cached(st, file);
+        Counters::add(&self.counters.evictions, 1);
+        if st.unread.remove(&file) {
+            Counters::add(&self.counters.wasted_bytes, size);
+        }
+    }
+
+    /// Evicts files needed after `needed_at` until `bytes` more fit. False if that would mean
+    /// evicting something needed sooner (Belady: then the new file is the one not to keep).
+    fn make_room(&self, st: &mut State, bytes: u64, needed_at: u64) -> bool {
+        while st.used + st.reserved + bytes > st.capacity {
+            match st.evict.furthest() {
+                Some((key, victim)) if key > needed_at => self.evict(st, victim),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    fn worker(self: Arc<Self>) {
+        let mut st = self.state.lock();
+        loop {
+            if self.shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            let mut deferred = Deferred::new();
+            match self.next_job(&mut st, &mut deferred) {
+                Some(job) => {
+                    drop(st);
+                    run_deferred(deferred);
+                    let result = self.copy_with_retries(job.file);
+                    st = self.state.lock();
+                    let deferred = self.complete(&mut st, job, result);
+                    if !deferred.is_empty() {
+                        drop(st);
+                        run_deferred(deferred);
+                        st = self.state.lock();
+                    }
+                }
+                None if !deferred.is_empty() => {
+                    drop(st);
+                    run_deferred(deferred);
+                    st = self.state.lock();
+                }
+                None => {
+                    self.work.wait_for(&mut st, SWEEP_INTERVAL);
+                }
+            }
+        }
+    }
+
+    /// The next copy to make: urgent files first, then the frontier.
+    fn next_job(&self, st: &mut State, deferred: &mut Deferred) -> Option<Job> {
+        while let Some(file) = st.urgent.pop_front() {
+            if st.files.get(&file) != Some(&FileState::Queued) {
+                continue;
+            }
+            let size = self.size_of(file);
+            // A reader waits for it now: anything else may go.
+            if size > st.capacity || !self.make_room(st, size, 0) {
+                // No room at all: serve the waiting readers from SOURCE instead.
+                st.files.remove(&file);
+                for w in st.waiters.remove(&file).unwrap_or_default() {
+                    Counters::add(
+                        &self.counters.stall_nanos,
+                        w.since.elapsed().as_nanos() as u64,
+                    );
+                    deferred.push((w.reply, self.open_source(file)));
+                }
+                continue;
+            }
+            st.files.insert(file, FileState::Staging);
+            st.reserved += size;
+            return Some(Job {
+                file,
+                position: None,
+            });
+        }
+        if st.tracker.mode() != TrackerMode::Predicting
+            || st.paused_until.is_some_and(|t| Instant::now() < t)
+        {
+            return None;
+        }
+        let cursor = st.tracker.cursor();
+        let (cursor_epoch, _) = self.plan.split(cursor);
+        let horizon = self.plan.join(cursor_epoch + 2, 0);
+        while st.frontier < horizon
+            && st.frontier - cursor < self.settings.lookahead_files
+            && st.ahead_bytes < self.settings.lookahead_bytes
+        {
+            let pos = st.frontier;
+            let file = self.plan.file_at(pos);
+            if file == Layout::NO_FILE {
+                st.frontier += 1;
+                continue;
+            }
+            let size = self.size_of(file);
+            let state = st.files.get(&file).copied().unwrap_or(FileState::Remote);
+            if state != FileState::Remote || st.changed.contains(&file) || size > st.capacity {
+                st.frontier += 1;
+                st.ahead_bytes += size;
+                continue;
+            }
+            if !self.make_room(st, size, pos) {
+                return None;
+            }
+            st.frontier += 1;
+            st.ahead_bytes += size;
+            st.files.insert(file, FileState::Staging);
+            st.reserved += size;
+            return Some(Job {
+                file,
+                position: Some(pos),
+            });
+        }
+        None
+    }
+
+    fn copy_with_retries(&self, file: FileId) -> Result<u64, CopyError> {
+        let entry = self.catalog.entry(file).expect("catalog file");
+        let relative = self.catalog.relative_path(file);
+        let source = self.catalog.root_path().join(&relative);
+        let mut attempt = 0;
+        loop {
+            match self.cache.stage(&source, &relative, entry) {
+                Err(CopyError::Source { .. })
+                    if attempt < self.settings.retries && !self.shutdown.load(Ordering::SeqCst) =>
+                {
+                    std::thread::sleep(RETRY_BASE * 4u32.pow(attempt));
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn complete(&self, st: &mut State, job: Job, result: Result<u64, CopyError>) -> Deferred {
+        let file = job.file;
+        let size = self.size_of(file);
+        st.reserved = st.reserved.saturating_sub(size);
+        let waiters = st.waiters.remove(&file).unwrap_or_default();
+        let had_waiters = !waiters.is_empty();
+        let mut deferred = Deferred::new();
+        let answer_all = |deferred: &mut Deferred, make: &dyn Fn() -> OpenResult| {
+            for w in waiters {
+                Counters::add(
+                    &self.counters.stall_nanos,
+                    w.since.elapsed().as_nanos() as u64,
+                );
+                deferred.push((w.reply, make()));
+            }
+        };
+        match result {
+            Ok(bytes) => {
+                st.consecutive_failures = 0;
+                st.paused_until = None;
+                st.files.insert(file, FileState::Cached);
+                st.used += size;
+                Counters::add(&self.counters.staged_files, 1);
+                Counters::add(&self.counters.staged_bytes, bytes);
+                Counters::add(&self.counters.source_bytes, bytes);
+                match st.tracker.mode() {
+                    TrackerMode::Predicting => {
+                        let next = self.plan.next_use(file, st.tracker.cursor());
+                        st.evict.set_next_use(file, next);
+                    }
+                    _ => {
+                        st.access_seq += 1;
+                        let seq = st.access_seq;
+                        st.evict.set_recently_used(file, seq);
+                    }
+                }
+                if !had_waiters && job.position.is_some() {
+                    st.unread.insert(file);
+                }
+                answer_all(&mut deferred, &|| {
+                    self.open_cached(file)
+                        .map(|f| Opened {
+                            file: f,
+                            from_cache: true,
+                        })
+                        .or_else(|_| self.open_source(file))
+                });
+            }
+            Err(CopyError::NoSpace) => {
+                st.files.remove(&file);
+                // The file system holds less than we were told: what we have is the limit.
+                let new_capacity = st.used + st.reserved;
+                if new_capacity < st.capacity {
+                    log::warn!(
+                        "cache file system is full at {} bytes used (capacity was {}); lowering the capacity and evicting",
+                        st.used,
+                        st.capacity
+                    );
+                    st.capacity = new_capacity;
+                }
+                Counters::add(&self.counters.cache_full_events, 1);
+                // Free a little so the next copy has a chance, then serve readers from SOURCE.
+                if let Some((_, victim)) = st.evict.furthest() {
+                    self.evict(st, victim);
+                    st.capacity = st.capacity.saturating_sub(self.size_of(victim));
+                }
+                answer_all(&mut deferred, &|| self.open_source(file));
+            }
+            Err(CopyError::Cache(e)) => {
+                st.files.remove(&file);
+                log::warn!(
+                    "cannot write {} to the cache: {e}; serving it from the source",
+                    self.catalog.relative_path(file).display()
+                );
+                Counters::add(&self.counters.errors, 1);
+                answer_all(&mut deferred, &|| self.open_source(file));
+            }
+            Err(CopyError::SourceChanged(path)) => {
+                st.files.remove(&file);
+                st.changed.insert(file);
+                log::warn!(
+                    "{} changed on the source since it was mounted; readers get ESTALE (remount to see it)",
+                    path.display()
+                );
+                Counters::add(&self.counters.errors, 1);
+                answer_all(&mut deferred, &|| Err(libc::ESTALE));
+            }
+            Err(CopyError::Source { path, source }) => {
+                st.files.remove(&file);
+                Counters::add(&self.counters.errors, 1);
+                st.consecutive_failures += 1;
+                let pause = (RETRY_BASE * 2u32.pow(st.consecutive_failures.min(10))).min(MAX_PAUSE);
+                st.paused_until = Some(Instant::now() + pause);
+                log::error!(
+                    "reading {} failed after {} retries: {source}; readers of it get EIO, staging ahead pauses {:.1?}",
+                    path.display(),
+                    self.settings.retries,
+                    pause
+                );
+                if let Some(pos) = job.position {
+                    self.rewind_frontier(st, pos);
+                }
+                answer_all(&mut deferred, &|| Err(libc::EIO));
+            }
+        }
+        self.work.notify_all();
+        deferred
+    }
+
+    /// Puts the frontier back to `pos` so a failed prefetch is retried once the source is back.
+    fn rewind_frontier(&self, st: &mut State, pos: Position) {
+        let cursor = st.tracker.cursor();
+        if pos >= st.frontier || pos < cursor {
+            return;
+        }
+        st.frontier = pos;
+        st.ahead_bytes = (cursor..pos)
+            .map(|p| self.plan.file_at(p))
+            .filter(|&f| f != Layout::NO_FILE)
+            .map(|f| self.size_of(f))
+            .sum();
+    }
+
+    /// Answers readers that waited too long and wakes the workers when a pause ends.
+    fn sweeper(self: Arc<Self>) {
+        while !self.shutdown.load(Ordering::SeqCst) {
+            std::thread::sleep(SWEEP_INTERVAL);
+            let mut deferred = Deferred::new();
+            {
+                let mut st = self.state.lock();
+                let timeout = self.settings.open_timeout;
+                for (file, list) in st.waiters.iter_mut() {
+                    let (expired, kept): (Vec<Waiter>, Vec<Waiter>) =
+                        list.drain(..).partition(|w| w.since.elapsed() >= timeout);
+                    *list = kept;
+                    for w in expired {
+                        log::error!(
+                            "gave up waiting {:.0?} for {} to be staged; the reader gets EIO",
+                            timeout,
+                            self.catalog.relative_path(*file).display()
+                        );
+                        Counters::add(&self.counters.errors, 1);
+                        Counters::add(
+                            &self.counters.stall_nanos,
+                            w.since.elapsed().as_nanos() as u64,
+                        );
+                        deferred.push((w.reply, Err(libc::EIO)));
+                    }
+                }
+                st.waiters.retain(|_, l| !l.is_empty());
+                if st.paused_until.is_some_and(|t| Instant::now() >= t) {
+                    st.paused_until = None;
+                    self.work.notify_all();
+                }
+            }
+            run_deferred(deferred);
+        }
+    }
+}

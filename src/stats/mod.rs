@@ -1,0 +1,127 @@
+//! Counters the engine keeps and everyone else reads: the xattrs, `stagefs stats`, the
+//! Prometheus metrics file and the demo.
+//!
+//! Counters are lock-free atomics bumped on the hot path; a [`Snapshot`] combines them with
+//! the gauges the stager reports (cache use, epoch, position) into one serialisable value, so
+//! every reader sees the same names.
+
+mod metrics;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+pub use metrics::MetricsWriter;
+
+#[derive(Default)]
+pub struct Counters {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub stall_nanos: AtomicU64,
+    pub staged_files: AtomicU64,
+    pub staged_bytes: AtomicU64,
+    pub source_bytes: AtomicU64,
+    pub evictions: AtomicU64,
+    pub wasted_bytes: AtomicU64,
+    pub errors: AtomicU64,
+    pub cache_full_events: AtomicU64,
+    pub reused_files: AtomicU64,
+}
+
+impl Counters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+/// Values owned by the stager rather than counted: read under its lock when a snapshot is taken.
+#[derive(Clone, Debug, Default)]
+pub struct Gauges {
+    pub cache_used_bytes: u64,
+    pub cache_capacity_bytes: u64,
+    pub cached_files: u64,
+    pub mispredictions: u64,
+    pub epoch: u64,
+    pub position: u64,
+    pub epoch_len: u64,
+    pub frontier: u64,
+    pub mode: &'static str,
+}
+
+/// Everything a user may ask about a mount, under stable names (the xattr and JSON keys).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Snapshot {
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_ratio: f64,
+    pub stall_seconds: f64,
+    pub staged_files: u64,
+    pub staged_bytes: u64,
+    pub source_bytes: u64,
+    pub cache_used_bytes: u64,
+    pub cache_capacity_bytes: u64,
+    pub cached_files: u64,
+    pub evictions: u64,
+    pub wasted_bytes: u64,
+    pub mispredictions: u64,
+    pub errors: u64,
+    pub cache_full_events: u64,
+    pub reused_files: u64,
+    pub epoch: u64,
+    pub position: u64,
+    pub epoch_len: u64,
+    pub frontier: u64,
+    pub mode: String,
+    pub sampler: String,
+    pub passthrough: bool,
+    pub uptime_seconds: f64,
+}
+
+impl Snapshot {
+    pub fn take(
+        c: &Counters,
+        g: Gauges,
+        sampler: String,
+        passthrough: bool,
+        started: Instant,
+    ) -> Snapshot {
+        let hits = Counters::get(&c.hits);
+        let misses = Counters::get(&c.misses);
+        let opens = hits + misses;
+        Snapshot {
+            hits,
+            misses,
+            hit_ratio: if opens == 0 {
+                0.0
+            } else {
+                hits as f64 / opens as f64
+            },
+            stall_seconds: Counters::get(&c.stall_nanos) as f64 / 1e9,
+            staged_files: Counters::get(&c.staged_files),
+            staged_bytes: Counters::get(&c.staged_bytes),
+            source_bytes: Counters::get(&c.source_bytes),
+            cache_used_bytes: g.cache_used_bytes,
+            cache_capacity_bytes: g.cache_capacity_bytes,
+            cached_files: g.cached_files,
+            evictions: Counters::get(&c.evictions),
+            wasted_bytes: Counters::get(&c.wasted_bytes),
+            mispredictions: g.mispredictions,
+            errors: Counters::get(&c.errors),
+            cache_full_events: Counters::get(&c.cache_full_events),
+            reused_files: Counters::get(&c.reused_files),
+            epoch: g.epoch,
+            position: g.position,
+            epoch_len: g.epoch_len,
+            frontier: g.frontier,
+            mode: g.mode.to_string(),
+            sampler,
+            passthrough,
+            uptime_seconds: started.elapsed().as_secs_f64(),
+        }
+    }
+}
