@@ -1,0 +1,18 @@
+//! stagefs: a FUSE file system that stages a training dataset from a shared parallel file
+//! system to node-local storage in the exact order the job will read it.
+//!
+//! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
+//! (samplers) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
+//! → [`cache`] (the local directory) → [`fs`] (FUSE operations). [`stats`] counts, [`cli`] wires.
+//!
+//! The crate is a library so the fuzz targets and integration tests reach the parsers and the
+//! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
+
+pub mod cache;
+pub mod catalog;
+pub mod cli;
+pub mod fs;
+pub mod order;
+pub mod plan;
+pub mod stager;
+pub mod stats;
