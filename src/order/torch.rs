@@ -89,17 +89,23 @@ impl Distributed {
     /// for shuffle=False. The padded index list is `idx[k % n]` for k < total (padding repeats
     /// from the start, as often as needed); with drop_last, total <= n so nothing wraps.
     pub fn node_order(&self, seed: Option<u64>, ranks: &[u32]) -> Vec<u32> {
-        let perm = seed.map(|s| randperm(self.n, &mut generator(s), self.version));
-        let pick = |k: u64| {
-            // Only padding wraps; skip the division for the rest.
-            let k = if k < self.n { k } else { k % self.n };
-            perm.as_ref().map_or(k as u32, |p| p[k as usize])
+        let idx: Vec<u32> = match seed {
+            Some(s) => randperm(self.n, &mut generator(s), self.version),
+            None => (0..self.n).map(|i| i as u32).collect(),
         };
+        if self.world == 1 {
+            // One replica reads the list as is: total == n, nothing to pad or drop.
+            return idx;
+        }
         let num = self.num_samples();
         let w = u64::from(self.world);
         let mut out = Vec::with_capacity((num as usize) * ranks.len());
         for j in 0..num {
-            out.extend(ranks.iter().map(|&r| pick(j * w + u64::from(r))));
+            out.extend(
+                ranks
+                    .iter()
+                    .map(|&r| idx[((j * w + u64::from(r)) % self.n) as usize]),
+            );
         }
         out
     }
