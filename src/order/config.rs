@@ -147,7 +147,8 @@ pub struct SamplerConfig {
     pub order_list: Option<Arc<Vec<u32>>>,
 }
 
-/// Versions whose behaviour differs from what is modelled here (see access-order.md).
+/// The oldest torch versions that behave as modelled here (see access-order.md): older
+/// DistributedSamplers padded and seeded differently, older RandomSamplers drew differently.
 const DISTRIBUTED_SINCE: TorchVersion = TorchVersion { major: 1, minor: 8 };
 const RANDOM_SINCE: TorchVersion = TorchVersion {
     major: 1,

@@ -68,4 +68,4 @@ pub enum OrderError {
 }
 
 /// The sampler names the CLI accepts, for messages.
-pub const SAMPLER_NAMES: &str = "torch-distributed, torch-random, numpy-legacy (alias chainer), numpy-generator, sequential, list, none";
+const SAMPLER_NAMES: &str = "torch-distributed, torch-random, numpy-legacy (alias chainer), numpy-generator, sequential, list, none";

@@ -83,6 +83,37 @@ mod tests {
     }
 
     #[test]
+    fn seeds_beyond_one_word() {
+        // The golden vectors only use seeds below 2^32; these come from numpy 2.4.6
+        // (default_rng(s).permutation(10) twice, np.random.seed(2**32-1); permutation(12)).
+        let cases: [(u64, [u32; 10], [u32; 10]); 3] = [
+            (
+                1 << 32 | 5,
+                [6, 7, 4, 2, 5, 0, 9, 8, 3, 1],
+                [9, 4, 6, 3, 5, 2, 1, 0, 8, 7],
+            ),
+            (
+                u64::MAX,
+                [8, 7, 3, 0, 4, 6, 1, 2, 5, 9],
+                [2, 7, 5, 1, 8, 4, 0, 6, 9, 3],
+            ),
+            (
+                12345678901234,
+                [9, 1, 5, 0, 8, 3, 2, 7, 6, 4],
+                [4, 1, 5, 6, 2, 7, 9, 3, 8, 0],
+            ),
+        ];
+        for (seed, first, second) in cases {
+            assert_eq!(generator_order(seed, 10, 0), first, "seed {seed}");
+            assert_eq!(generator_order(seed, 10, 1), second, "seed {seed}");
+        }
+        assert_eq!(
+            legacy_order(u32::MAX, 12, 0),
+            [11, 8, 5, 9, 1, 10, 6, 0, 4, 7, 2, 3]
+        );
+    }
+
+    #[test]
     fn interval_masks_and_rejects() {
         // A source that yields a fixed sequence shows the mask and the rejection loop.
         struct Fixed(std::vec::IntoIter<u32>);

@@ -111,7 +111,7 @@ impl Distributed {
     }
 }
 
-/// Where `RandomSampler` gets its randomness.
+/// `RandomSampler` (what `DataLoader(shuffle=True)` uses) on `n` samples, and where it draws from.
 pub struct Random {
     pub n: u64,
     pub seed: u64,
