@@ -25,8 +25,7 @@ fn time_epoch(cfg: &SamplerConfig, len: u64, epoch: u64) -> f64 {
 
 fn main() {
     let mut cases: Vec<(&str, SamplerConfig)> = Vec::new();
-    let mut dist1 = SamplerConfig::new(SamplerKind::TorchDistributed);
-    dist1.seed = 0;
+    let dist1 = SamplerConfig::new(SamplerKind::TorchDistributed);
     cases.push(("torch-distributed world 1", dist1.clone()));
     let mut dist8 = dist1;
     dist8.world_size = 8;
