@@ -1,0 +1,569 @@
+//! The user-facing sampler settings ([`SamplerConfig`]) and the dispatch from them to the
+//! per-library predictors, with validation that turns bad settings into clear messages.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use super::{OrderError, numpy, torch};
+
+/// Which loader's order to predict.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum SamplerKind {
+    /// `torch.utils.data.DistributedSampler`.
+    TorchDistributed,
+    /// `RandomSampler`, i.e. `DataLoader(shuffle=True)`.
+    TorchRandom,
+    /// `np.random.seed` + successive `np.random.permutation`; also Chainer's default.
+    NumpyLegacy,
+    /// `np.random.default_rng(seed)` + successive `permutation`.
+    NumpyGenerator,
+    /// `0..len` every epoch (`shuffle=False`).
+    Sequential,
+    /// An explicit order from `--order-file`.
+    List,
+    /// No prediction.
+    None,
+}
+
+impl FromStr for SamplerKind {
+    type Err = OrderError;
+    fn from_str(s: &str) -> Result<Self, OrderError> {
+        Ok(match s {
+            "torch-distributed" => Self::TorchDistributed,
+            "torch-random" => Self::TorchRandom,
+            "numpy-legacy" | "chainer" => Self::NumpyLegacy,
+            "numpy-generator" => Self::NumpyGenerator,
+            "sequential" => Self::Sequential,
+            "list" => Self::List,
+            "none" => Self::None,
+            _ => return Err(OrderError::UnknownSampler(s.to_owned())),
+        })
+    }
+}
+
+impl fmt::Display for SamplerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::TorchDistributed => "torch-distributed",
+            Self::TorchRandom => "torch-random",
+            Self::NumpyLegacy => "numpy-legacy",
+            Self::NumpyGenerator => "numpy-generator",
+            Self::Sequential => "sequential",
+            Self::List => "list",
+            Self::None => "none",
+        })
+    }
+}
+
+/// Where `RandomSampler` draws from (torch-random only).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum GeneratorSource {
+    /// `DataLoader(..., generator=torch.Generator().manual_seed(seed))`.
+    Loader,
+    /// No generator: the global RNG after `torch.manual_seed(seed)`. Predictable only if
+    /// nothing else (model init, dropout, random transforms in the main process, ...) draws
+    /// from it between epochs.
+    Global,
+}
+
+impl FromStr for GeneratorSource {
+    type Err = OrderError;
+    fn from_str(s: &str) -> Result<Self, OrderError> {
+        match s {
+            "loader" => Ok(Self::Loader),
+            "global" => Ok(Self::Global),
+            _ => Err(OrderError::UnknownGenerator(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for GeneratorSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Loader => "loader",
+            Self::Global => "global",
+        })
+    }
+}
+
+/// A torch release, compared by (major, minor).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub struct TorchVersion {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl TorchVersion {
+    /// The default: current torch behaviour.
+    pub const NEWEST: Self = Self { major: 2, minor: 9 };
+}
+
+impl FromStr for TorchVersion {
+    type Err = OrderError;
+    /// "2.6", "1.13"; a patch level and local suffix ("2.6.0+cu124", "1.13.0a0") are ignored.
+    fn from_str(s: &str) -> Result<Self, OrderError> {
+        let bad = || OrderError::BadTorchVersion(s.to_owned());
+        let release = s.split('+').next().unwrap_or_default();
+        let mut parts = release.split('.');
+        let mut number = || {
+            let p = parts.next().ok_or_else(bad)?;
+            let digits = p.bytes().take_while(u8::is_ascii_digit).count();
+            p[..digits].parse::<u32>().map_err(|_| bad())
+        };
+        let (major, minor) = (number()?, number()?);
+        Ok(Self { major, minor })
+    }
+}
+
+impl fmt::Display for TorchVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// Everything needed to predict a loader's order. Build with [`SamplerConfig::new`] and set
+/// the fields that differ from the loader defaults.
+#[derive(Clone, Debug)]
+pub struct SamplerConfig {
+    pub kind: SamplerKind,
+    /// As the user typed it. torch: -2^63 <= seed < 2^64 (negative values wrap like Python
+    /// ints do in `manual_seed`); numpy-legacy: 0 <= seed < 2^32; numpy-generator:
+    /// 0 <= seed < 2^64. Ignored by sequential, list and none.
+    pub seed: i128,
+    /// `num_replicas` of DistributedSampler; ranks must be below it.
+    pub world_size: u32,
+    pub drop_last: bool,
+    /// false = `DistributedSampler(shuffle=False)`.
+    pub shuffle: bool,
+    /// torch-random only.
+    pub generator: GeneratorSource,
+    /// torch-random only: the loader's base seed is drawn once instead of every epoch.
+    pub persistent_workers: bool,
+    /// Picks `randperm`'s algorithm for n >= 214_748_364.
+    pub torch_version: TorchVersion,
+    /// The `list` sampler's order (from [`parse_order_file`](super::parse_order_file)).
+    pub order_list: Option<Arc<Vec<u32>>>,
+}
+
+/// The oldest torch versions that behave as modelled here (see access-order.md): older
+/// DistributedSamplers padded and seeded differently, older RandomSamplers drew differently.
+const DISTRIBUTED_SINCE: TorchVersion = TorchVersion { major: 1, minor: 8 };
+const RANDOM_SINCE: TorchVersion = TorchVersion {
+    major: 1,
+    minor: 11,
+};
+
+impl SamplerConfig {
+    /// The loaders' defaults: seed 0, one replica, shuffle, no drop_last, loader generator,
+    /// no persistent workers, newest torch.
+    pub fn new(kind: SamplerKind) -> Self {
+        Self {
+            kind,
+            seed: 0,
+            world_size: 1,
+            drop_last: false,
+            shuffle: true,
+            generator: GeneratorSource::Loader,
+            persistent_workers: false,
+            torch_version: TorchVersion::NEWEST,
+            order_list: None,
+        }
+    }
+
+    /// Whether this sampler yields an order at all (`none` does not).
+    pub fn predicts(&self) -> bool {
+        self.kind != SamplerKind::None
+    }
+
+    /// Checks the settings against a dataset of `len` samples read by `ranks`.
+    pub fn validate(&self, len: u64, ranks: &[u32]) -> Result<(), OrderError> {
+        let world = self.world_size;
+        if world == 0 {
+            return Err(OrderError::WorldSizeZero);
+        }
+        if ranks.is_empty() {
+            return Err(OrderError::NoRanks);
+        }
+        if let Some(&rank) = ranks.iter().find(|&&r| r >= world) {
+            return Err(OrderError::RankOutOfRange { rank, world });
+        }
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(OrderError::DuplicateRank(w[0]));
+        }
+        if !self.predicts() {
+            return Ok(());
+        }
+        if len == 0 {
+            return Err(OrderError::EmptyDataset);
+        }
+        if len > u64::from(u32::MAX) + 1 {
+            return Err(OrderError::DatasetTooLarge(len));
+        }
+        match self.kind {
+            SamplerKind::TorchDistributed => self.check_torch(DISTRIBUTED_SINCE),
+            SamplerKind::TorchRandom => self.check_torch(RANDOM_SINCE),
+            SamplerKind::NumpyLegacy => self.check_seed(0..1 << 32, "0 and 2^32-1"),
+            SamplerKind::NumpyGenerator => self.check_seed(0..1 << 64, "0 and 2^64-1"),
+            SamplerKind::List => self.check_list(len),
+            SamplerKind::Sequential | SamplerKind::None => Ok(()),
+        }
+    }
+
+    fn check_torch(&self, since: TorchVersion) -> Result<(), OrderError> {
+        if self.torch_version < since {
+            return Err(OrderError::UnsupportedTorchVersion {
+                version: self.torch_version,
+                sampler: self.kind,
+                since,
+            });
+        }
+        self.check_seed(-(1 << 63)..1 << 64, "-2^63 and 2^64-1")
+    }
+
+    fn check_seed(&self, allowed: Range<i128>, range: &'static str) -> Result<(), OrderError> {
+        let problem = match self.seed {
+            s if s >= allowed.end => "too large",
+            s if s >= allowed.start => return Ok(()),
+            _ if allowed.start == 0 => "negative",
+            _ => "too small",
+        };
+        Err(OrderError::SeedOutOfRange {
+            seed: self.seed,
+            problem,
+            sampler: self.kind,
+            range,
+        })
+    }
+
+    fn check_list(&self, len: u64) -> Result<(), OrderError> {
+        let list = self
+            .order_list
+            .as_deref()
+            .ok_or(OrderError::MissingOrderList)?;
+        if list.is_empty() {
+            return Err(OrderError::EmptyOrderList);
+        }
+        match list.iter().position(|&x| u64::from(x) >= len) {
+            Some(i) => Err(OrderError::OrderIndexOutOfRange {
+                position: i as u64 + 1,
+                index: list[i],
+                len,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Samples one rank reads per epoch: DistributedSampler's `num_samples`, the list's
+    /// length for `list`, `len` otherwise.
+    pub fn samples_per_rank(&self, len: u64) -> u64 {
+        match self.kind {
+            SamplerKind::TorchDistributed => self.distributed(len).num_samples(),
+            SamplerKind::List => self.order_list.as_ref().map_or(0, |l| l.len() as u64),
+            _ => len,
+        }
+    }
+
+    /// The exact index order `rank` reads in `epoch` (the value passed to `set_epoch` for
+    /// torch-distributed; the epoch count otherwise). Only torch-distributed depends on the
+    /// rank; the others give every rank the whole order. `list` repeats the order file every
+    /// epoch (the file is taken as the whole run's stream, epoch 0 included). `none` gives an
+    /// empty order.
+    pub fn epoch_order(&self, len: u64, epoch: u64, rank: u32) -> Result<Vec<u32>, OrderError> {
+        self.node_order(len, epoch, &[rank])
+    }
+
+    /// What the node serving `ranks` reads in `epoch`: their orders merged in lock-step
+    /// (`r0[0], r1[0], ..., r0[1], r1[1], ...`). Samplers that give every rank the same order
+    /// return it once: the ranks read the same file at about the same time, so repeating each
+    /// index per rank would only lengthen the staging queue.
+    pub fn node_order(&self, len: u64, epoch: u64, ranks: &[u32]) -> Result<Vec<u32>, OrderError> {
+        self.validate(len, ranks)?;
+        Ok(match self.kind {
+            SamplerKind::TorchDistributed => {
+                let seed = if self.shuffle {
+                    Some(self.distributed_seed(epoch)?)
+                } else {
+                    None
+                };
+                self.distributed(len).node_order(seed, ranks)
+            }
+            SamplerKind::TorchRandom => torch::Random {
+                n: len,
+                seed: torch_seed(self.seed),
+                loader_generator: self.generator == GeneratorSource::Loader,
+                persistent_workers: self.persistent_workers,
+                version: self.torch_version,
+            }
+            .epoch_order(epoch),
+            SamplerKind::NumpyLegacy => numpy::legacy_order(self.seed as u32, len, epoch),
+            SamplerKind::NumpyGenerator => numpy::generator_order(self.seed as u64, len, epoch),
+            SamplerKind::Sequential => (0..len).map(|i| i as u32).collect(),
+            SamplerKind::List => self.order_list.as_deref().cloned().unwrap_or_default(),
+            SamplerKind::None => Vec::new(),
+        })
+    }
+
+    fn distributed(&self, len: u64) -> torch::Distributed {
+        torch::Distributed {
+            n: len,
+            world: self.world_size,
+            drop_last: self.drop_last,
+            version: self.torch_version,
+        }
+    }
+
+    /// DistributedSampler seeds a fresh generator with the Python int `seed + epoch`;
+    /// `manual_seed` rejects values of 2^64 and above.
+    fn distributed_seed(&self, epoch: u64) -> Result<u64, OrderError> {
+        let sum = self.seed + i128::from(epoch);
+        if sum >= 1i128 << 64 {
+            return Err(OrderError::SeedPlusEpochOverflow {
+                seed: self.seed,
+                epoch,
+            });
+        }
+        Ok(torch_seed(sum))
+    }
+}
+
+/// A (validated) torch seed as `manual_seed` stores it: the Python int mod 2^64.
+fn torch_seed(seed: i128) -> u64 {
+    seed as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(kind: SamplerKind) -> SamplerConfig {
+        SamplerConfig::new(kind)
+    }
+
+    fn err(c: &SamplerConfig, len: u64, ranks: &[u32]) -> String {
+        c.validate(len, ranks).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn check_values_from_the_doc() {
+        // DistributedSampler(N=10, R=4, seed 0, epoch 0), ranks 0..3.
+        let mut c = cfg(SamplerKind::TorchDistributed);
+        c.world_size = 4;
+        let want = [[4, 3, 6], [1, 9, 2], [7, 0, 4], [5, 8, 1]];
+        for (rank, want) in want.iter().enumerate() {
+            assert_eq!(c.epoch_order(10, 0, rank as u32).unwrap(), want);
+        }
+        assert_eq!(c.node_order(10, 0, &[1, 3]).unwrap(), [1, 5, 9, 8, 2, 1]);
+
+        // torch.manual_seed(0); DataLoader(range(10), batch_size=3, shuffle=True).
+        let mut c = cfg(SamplerKind::TorchRandom);
+        c.generator = GeneratorSource::Global;
+        assert_eq!(
+            c.epoch_order(10, 0, 0).unwrap(),
+            [6, 7, 1, 4, 2, 0, 9, 8, 3, 5]
+        );
+        assert_eq!(
+            c.epoch_order(10, 1, 0).unwrap(),
+            [2, 4, 7, 0, 8, 9, 5, 3, 6, 1]
+        );
+
+        // Chainer 7.8.1, np.random.seed(5), SerialIterator(range(10), 3): batches
+        // [9,5,2] [4,7,1] [0,8,6] [3,2,5] [6,3,8] are epoch 0 followed by epoch 1's head.
+        let mut c: SamplerConfig = cfg("chainer".parse().unwrap());
+        c.seed = 5;
+        assert_eq!(
+            c.epoch_order(10, 0, 0).unwrap(),
+            [9, 5, 2, 4, 7, 1, 0, 8, 6, 3]
+        );
+        assert_eq!(c.epoch_order(10, 1, 0).unwrap()[..5], [2, 5, 6, 3, 8]);
+    }
+
+    #[test]
+    fn distributed_pads_repeatedly_when_len_is_below_world() {
+        // N=3, R=8, shuffle=False: num_samples 1, padded list 0,1,2,0,1,2,0,1.
+        let mut c = cfg(SamplerKind::TorchDistributed);
+        c.world_size = 8;
+        c.shuffle = false;
+        assert_eq!(c.samples_per_rank(3), 1);
+        assert_eq!(
+            c.node_order(3, 0, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap(),
+            [0, 1, 2, 0, 1, 2, 0, 1]
+        );
+        // drop_last with N < R leaves every rank empty, as torch does.
+        c.drop_last = true;
+        assert_eq!(c.samples_per_rank(3), 0);
+        assert!(c.epoch_order(3, 0, 7).unwrap().is_empty());
+    }
+
+    #[test]
+    fn distributed_seed_plus_epoch_wraps_like_python_ints() {
+        // seed -1 at epoch 1 is manual_seed(0).
+        let mut a = cfg(SamplerKind::TorchDistributed);
+        a.seed = -1;
+        let b = cfg(SamplerKind::TorchDistributed);
+        assert_eq!(
+            a.epoch_order(50, 1, 0).unwrap(),
+            b.epoch_order(50, 0, 0).unwrap()
+        );
+        // 2^64-1 is a valid seed, but at epoch 1 the sum no longer fits manual_seed.
+        a.seed = (1 << 64) - 1;
+        assert!(a.epoch_order(50, 0, 0).is_ok());
+        let msg = a.epoch_order(50, 1, 0).unwrap_err().to_string();
+        assert!(msg.contains("plus epoch 1 is above 2^64-1"), "{msg}");
+    }
+
+    #[test]
+    fn simple_samplers() {
+        assert_eq!(
+            cfg(SamplerKind::Sequential).epoch_order(4, 7, 0).unwrap(),
+            [0, 1, 2, 3]
+        );
+        assert!(
+            cfg(SamplerKind::None)
+                .epoch_order(4, 0, 0)
+                .unwrap()
+                .is_empty()
+        );
+        assert!(!cfg(SamplerKind::None).predicts());
+        let mut list = cfg(SamplerKind::List);
+        list.order_list = Some(Arc::new(vec![2, 0, 2]));
+        assert_eq!(list.samples_per_rank(3), 3);
+        for epoch in [0, 5] {
+            assert_eq!(list.epoch_order(3, epoch, 0).unwrap(), [2, 0, 2]);
+        }
+    }
+
+    #[test]
+    fn bad_ranks_and_world() {
+        let mut c = cfg(SamplerKind::TorchDistributed);
+        c.world_size = 4;
+        assert_eq!(
+            err(&c, 10, &[4]),
+            "--rank 4 is out of range for --world-size 4 (ranks are 0..3)"
+        );
+        assert!(c.epoch_order(10, 0, 9).is_err());
+        assert_eq!(
+            err(&c, 10, &[]),
+            "no rank given: pass --rank, e.g. 0, 0-7 or 0,2,4-6"
+        );
+        assert_eq!(
+            err(&c, 10, &[2, 1, 2]),
+            "rank 2 is listed twice: list each rank once"
+        );
+        c.world_size = 0;
+        assert_eq!(err(&c, 10, &[0]), "--world-size must be at least 1");
+        // Ranks are checked for every sampler, even ones whose order ignores them.
+        assert!(cfg(SamplerKind::NumpyLegacy).validate(10, &[1]).is_err());
+    }
+
+    #[test]
+    fn bad_dataset_length() {
+        let c = cfg(SamplerKind::TorchRandom);
+        assert!(err(&c, 0, &[0]).starts_with("the dataset is empty"));
+        assert!(c.epoch_order(0, 0, 0).is_err());
+        assert!(c.validate(1 << 32, &[0]).is_ok());
+        assert!(err(&c, (1 << 32) + 1, &[0]).contains("at most 4294967296"));
+        // `none` predicts nothing, so it has nothing to check about the dataset.
+        assert!(cfg(SamplerKind::None).validate(0, &[0]).is_ok());
+    }
+
+    #[test]
+    fn bad_seeds() {
+        let mut c = cfg(SamplerKind::NumpyLegacy);
+        c.seed = (1 << 32) - 1;
+        assert!(c.validate(10, &[0]).is_ok());
+        c.seed = 1 << 32;
+        assert_eq!(
+            err(&c, 10, &[0]),
+            "--seed 4294967296 is too large for numpy-legacy: it must be between 0 and 2^32-1"
+        );
+        c.seed = -1;
+        assert!(err(&c, 10, &[0]).starts_with("--seed -1 is negative for numpy-legacy"));
+
+        let mut c = cfg(SamplerKind::NumpyGenerator);
+        c.seed = (1 << 64) - 1;
+        assert!(c.validate(10, &[0]).is_ok());
+        c.seed = 1 << 64;
+        assert!(err(&c, 10, &[0]).contains("is too large for numpy-generator"));
+
+        let mut c = cfg(SamplerKind::TorchRandom);
+        c.seed = -(1 << 63);
+        assert!(c.validate(10, &[0]).is_ok());
+        c.seed -= 1;
+        assert!(
+            err(&c, 10, &[0]).contains("is too small for torch-random: it must be between -2^63")
+        );
+        c.seed = 1 << 64;
+        assert!(err(&c, 10, &[0]).contains("too large"));
+    }
+
+    #[test]
+    fn bad_order_lists() {
+        let mut c = cfg(SamplerKind::List);
+        assert_eq!(err(&c, 10, &[0]), "sampler \"list\" needs --order-file");
+        c.order_list = Some(Arc::new(vec![]));
+        assert!(err(&c, 10, &[0]).starts_with("the order file holds no index"));
+        c.order_list = Some(Arc::new(vec![1, 9, 10, 3]));
+        assert_eq!(
+            err(&c, 10, &[0]),
+            "order file entry 3 is index 10, out of range for a dataset of 10 samples (indices are 0..9)"
+        );
+        assert!(c.validate(11, &[0]).is_ok());
+    }
+
+    #[test]
+    fn old_torch_versions_are_refused() {
+        let mut c = cfg(SamplerKind::TorchRandom);
+        c.torch_version = "1.10".parse().unwrap();
+        assert!(err(&c, 10, &[0]).starts_with("torch 1.10 is not supported by torch-random"));
+        c.kind = SamplerKind::TorchDistributed;
+        assert!(c.validate(10, &[0]).is_ok());
+        c.torch_version = "1.7".parse().unwrap();
+        assert!(err(&c, 10, &[0]).contains("give --torch-version 1.8 or newer"));
+    }
+
+    #[test]
+    fn names_parse_and_print() {
+        for name in [
+            "torch-distributed",
+            "torch-random",
+            "numpy-legacy",
+            "numpy-generator",
+            "sequential",
+            "list",
+            "none",
+        ] {
+            assert_eq!(name.parse::<SamplerKind>().unwrap().to_string(), name);
+        }
+        assert_eq!(
+            "chainer".parse::<SamplerKind>().unwrap(),
+            SamplerKind::NumpyLegacy
+        );
+        let msg = "torch".parse::<SamplerKind>().unwrap_err().to_string();
+        assert!(
+            msg.starts_with("unknown sampler \"torch\": use one of torch-distributed,"),
+            "{msg}"
+        );
+        for name in ["loader", "global"] {
+            assert_eq!(name.parse::<GeneratorSource>().unwrap().to_string(), name);
+        }
+        assert!("Global".parse::<GeneratorSource>().is_err());
+    }
+
+    #[test]
+    fn torch_versions_parse_and_order() {
+        let v = |s: &str| s.parse::<TorchVersion>();
+        assert_eq!(v("2.6").unwrap(), TorchVersion { major: 2, minor: 6 });
+        assert_eq!(v("1.13.0a0").unwrap().to_string(), "1.13");
+        assert_eq!(v("2.6.0+cu124").unwrap().to_string(), "2.6");
+        assert!(v("2.10").unwrap() > v("2.6").unwrap());
+        assert!(TorchVersion::NEWEST >= v("2.6").unwrap());
+        for bad in ["", "2", "x.6", "2.", ".6"] {
+            let msg = v(bad).unwrap_err().to_string();
+            assert!(msg.starts_with("invalid torch version"), "{bad}: {msg}");
+        }
+    }
+}

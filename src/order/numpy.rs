@@ -1,0 +1,133 @@
+//! numpy's `permutation(n)` (= `shuffle(arange(n))`), shared by the legacy `RandomState`
+//! (MT19937; also Chainer's default order sampler) and the new `Generator` (PCG64).
+//!
+//! Both shuffle with the same masked-rejection `interval()`, so it is written once over a
+//! small bit-source trait. The number of draws depends on the values drawn, so reaching
+//! epoch `e` means running the draws of epochs `0..e` (without building their arrays).
+
+use super::mt19937::Mt19937;
+use super::pcg64::Pcg64;
+
+/// Where `interval()` takes its 32-bit words from.
+trait BitSource {
+    fn next_u32(&mut self) -> u32;
+}
+
+impl BitSource for Mt19937 {
+    #[inline]
+    fn next_u32(&mut self) -> u32 {
+        Mt19937::next_u32(self)
+    }
+}
+
+impl BitSource for Pcg64 {
+    #[inline]
+    fn next_u32(&mut self) -> u32 {
+        Pcg64::next_u32(self)
+    }
+}
+
+/// numpy's `random_interval(max)` for `1 <= max <= u32::MAX`: draw 32-bit words masked to
+/// the smallest all-ones value >= max until one is <= max. (numpy switches to 64-bit words
+/// only for max > u32::MAX, which orders of u32 indices never reach; shuffles never ask for
+/// max 0.)
+#[inline]
+fn interval<B: BitSource>(bits: &mut B, max: u32) -> u32 {
+    let mask = u32::MAX >> max.leading_zeros();
+    loop {
+        let v = bits.next_u32() & mask;
+        if v <= max {
+            return v;
+        }
+    }
+}
+
+/// numpy's Fisher-Yates: for i = n-1 down to 1, j = interval(i), swap(i, j). `swap` sees each
+/// pair; skipping an epoch passes a no-op.
+fn shuffle_draws<B: BitSource>(bits: &mut B, n: u64, mut swap: impl FnMut(usize, usize)) {
+    for i in (1..n).rev() {
+        let j = interval(bits, i as u32);
+        swap(i as usize, j as usize);
+    }
+}
+
+/// The `epoch`-th successive `permutation(n)` of one stream (epoch 0 is the first).
+fn nth_permutation<B: BitSource>(mut bits: B, n: u64, epoch: u64) -> Vec<u32> {
+    for _ in 0..epoch {
+        shuffle_draws(&mut bits, n, |_, _| {});
+    }
+    let mut a: Vec<u32> = (0..n).map(|i| i as u32).collect();
+    shuffle_draws(&mut bits, n, |i, j| a.swap(i, j));
+    a
+}
+
+/// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`.
+pub fn legacy_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
+    nth_permutation(Mt19937::new(seed), n, epoch)
+}
+
+/// `rng = np.random.default_rng(seed)`, then the `epoch`-th `rng.permutation(n)`.
+pub fn generator_order(seed: u64, n: u64, epoch: u64) -> Vec<u32> {
+    nth_permutation(Pcg64::from_seed(seed), n, epoch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_values() {
+        // From access-order.md.
+        assert_eq!(legacy_order(0, 10, 0), [2, 8, 4, 9, 1, 6, 7, 3, 0, 5]);
+        assert_eq!(generator_order(0, 10, 0), [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]);
+    }
+
+    #[test]
+    fn seeds_beyond_one_word() {
+        // The golden vectors only use seeds below 2^32; these come from numpy 2.4.6
+        // (default_rng(s).permutation(10) twice, np.random.seed(2**32-1); permutation(12)).
+        let cases: [(u64, [u32; 10], [u32; 10]); 3] = [
+            (
+                1 << 32 | 5,
+                [6, 7, 4, 2, 5, 0, 9, 8, 3, 1],
+                [9, 4, 6, 3, 5, 2, 1, 0, 8, 7],
+            ),
+            (
+                u64::MAX,
+                [8, 7, 3, 0, 4, 6, 1, 2, 5, 9],
+                [2, 7, 5, 1, 8, 4, 0, 6, 9, 3],
+            ),
+            (
+                12345678901234,
+                [9, 1, 5, 0, 8, 3, 2, 7, 6, 4],
+                [4, 1, 5, 6, 2, 7, 9, 3, 8, 0],
+            ),
+        ];
+        for (seed, first, second) in cases {
+            assert_eq!(generator_order(seed, 10, 0), first, "seed {seed}");
+            assert_eq!(generator_order(seed, 10, 1), second, "seed {seed}");
+        }
+        assert_eq!(
+            legacy_order(u32::MAX, 12, 0),
+            [11, 8, 5, 9, 1, 10, 6, 0, 4, 7, 2, 3]
+        );
+    }
+
+    #[test]
+    fn interval_masks_and_rejects() {
+        // A source that yields a fixed sequence shows the mask and the rejection loop.
+        struct Fixed(std::vec::IntoIter<u32>);
+        impl BitSource for Fixed {
+            fn next_u32(&mut self) -> u32 {
+                self.0.next().expect("drew more words than expected")
+            }
+        }
+        // max 5 -> mask 7: 0xff & 7 = 7 > 5 rejected, 6 rejected, 0x12 & 7 = 2 accepted.
+        let mut src = Fixed(vec![0xff, 6, 0x12].into_iter());
+        assert_eq!(interval(&mut src, 5), 2);
+        assert_eq!(src.0.len(), 0);
+        // max u32::MAX: everything is accepted as is.
+        let mut src = Fixed(vec![0xdead_beef].into_iter());
+        assert_eq!(interval(&mut src, u32::MAX), 0xdead_beef);
+    }
+}
