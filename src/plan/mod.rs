@@ -110,21 +110,21 @@ impl Plan {
         layout: Arc<Layout>,
         id_space: usize,
     ) -> Result<Plan, OrderError> {
-        let len = layout.len() as u64;
-        sampler.validate(len, &ranks)?;
-        let epoch_len = if sampler.predicts() {
-            sampler.samples_per_rank(len) * ranks.len() as u64
-        } else {
-            0
-        };
-        Ok(Plan {
+        sampler.validate(layout.len() as u64, &ranks)?;
+        let mut plan = Plan {
             sampler,
             ranks,
             layout,
             id_space,
-            epoch_len,
+            epoch_len: 0,
             recent: Mutex::new(VecDeque::new()),
-        })
+        };
+        // Samplers that give every rank the same order yield one stream per node, the
+        // distributed one a merge of the local ranks: the first epoch says which.
+        if plan.sampler.predicts() {
+            plan.epoch_len = plan.epoch(0).len();
+        }
+        Ok(plan)
     }
 
     pub fn predicts(&self) -> bool {
