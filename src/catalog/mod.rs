@@ -158,18 +158,14 @@ impl Catalog {
         self.root_path.join(self.relative_path(id))
     }
 
-    /// Looks up a relative path without following symlinks on the way. `..` and absolute
-    /// paths are refused: nothing outside the root is addressable.
+    /// Looks up a relative path the way the kernel would inside the mount: symlinked
+    /// directories on the way are followed (the last component is not), `..` and links never
+    /// lead above the root, and absolute paths are refused.
     pub fn lookup_path(&self, relative: &Path) -> Option<FileId> {
-        let mut cur = ROOT;
-        for comp in relative.components() {
-            match comp {
-                Component::Normal(name) => cur = self.lookup(cur, name)?,
-                Component::CurDir => {}
-                _ => return None,
-            }
+        if relative.is_absolute() {
+            return None;
         }
-        Some(cur)
+        self.walk_from(ROOT, relative, &mut 0)
     }
 
     /// Follows symlinks (in every component, like the kernel would) until a non-link node.

@@ -184,13 +184,16 @@ impl Tracker {
         }
     }
 
-    /// Earliest unread planned position of `file` within the window around the cursor.
+    /// Earliest unread planned position of `file` from one window behind the cursor to one
+    /// window past the furthest open.
     fn match_open(&self, file: FileId) -> Option<Position> {
         let lo = self
             .cursor
             .saturating_sub(self.settings.window)
             .max(self.plan.join(self.base_epoch, 0));
-        let hi = self.cursor.saturating_add(self.settings.window);
+        // Ahead, the window extends from the furthest open, not the cursor: a cursor held back
+        // by positions the loader skipped must not stop matching the opens that follow.
+        let hi = self.cursor.max(self.high_water).saturating_add(self.settings.window);
         for epoch in [self.base_epoch, self.base_epoch + 1] {
             let plan = self.plan.epoch(epoch);
             for &off in plan.offsets_of(file) {
