@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -189,7 +189,7 @@ impl CacheDir {
                 }
                 let entry = catalog.entry(id).expect("catalog file");
                 match fs::metadata(&path) {
-                    Ok(m) if matches_entry(&m, entry) => {
+                    Ok(m) if entry.matches(&m) => {
                         kept.push((id, entry.size));
                         wanted.insert(name);
                     }
@@ -211,14 +211,20 @@ impl CacheDir {
         kept
     }
 
-    /// Copies `source` into the cache as the complete, verified copy of `entry`.
-    pub fn stage(&self, source: &Path, relative: &Path, entry: &Entry) -> Result<u64, CopyError> {
+    /// Copies the opened source file `src` (at `source`, for messages) into the cache as the
+    /// complete, verified copy of `entry`.
+    pub fn stage(
+        &self,
+        mut src: File,
+        source: &Path,
+        relative: &Path,
+        entry: &Entry,
+    ) -> Result<u64, CopyError> {
         let src_err = |e: io::Error| CopyError::Source {
             path: source.to_path_buf(),
             source: e,
         };
-        let mut src = File::open(source).map_err(src_err)?;
-        if !matches_entry(&src.metadata().map_err(src_err)?, entry) {
+        if !entry.matches(&src.metadata().map_err(src_err)?) {
             return Err(CopyError::SourceChanged(source.to_path_buf()));
         }
         let tmp_path = self.tmp.join(format!(
@@ -273,7 +279,7 @@ impl CacheDir {
             copied += n as u64;
         }
         // The source must still be the file we catalogued, or the copy could mix versions.
-        if copied != entry.size || !matches_entry(&src.metadata().map_err(src_err)?, entry) {
+        if copied != entry.size || !entry.matches(&src.metadata().map_err(src_err)?) {
             return Err(CopyError::SourceChanged(source.to_path_buf()));
         }
         let mtime = libc::timespec {
@@ -325,10 +331,6 @@ fn cache_err(e: io::Error) -> CopyError {
     } else {
         CopyError::Cache(e)
     }
-}
-
-fn matches_entry(m: &fs::Metadata, e: &Entry) -> bool {
-    m.len() == e.size && m.mtime() == e.mtime_secs && m.mtime_nsec() as u32 == e.mtime_nanos
 }
 
 fn remove_tree(path: &Path) -> Result<(), CacheError> {

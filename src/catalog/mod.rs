@@ -58,6 +58,15 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// Whether `m` (a stat of the source file) still describes this snapshot entry: same
+    /// size and same mtime to the nanosecond.
+    pub fn matches(&self, m: &std::fs::Metadata) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        m.len() == self.size
+            && m.mtime() == self.mtime_secs
+            && m.mtime_nsec() as u32 == self.mtime_nanos
+    }
+
     pub fn mtime(&self) -> SystemTime {
         let since_epoch = Duration::new(self.mtime_secs.unsigned_abs(), self.mtime_nanos);
         if self.mtime_secs >= 0 {

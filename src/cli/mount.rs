@@ -26,7 +26,7 @@ use crate::cache::CacheDir;
 use crate::catalog::{Catalog, Layout};
 use crate::fs::{MountedDataset, StageFs};
 use crate::plan::{Plan, TrackerSettings};
-use crate::stager::{Stager, StagerSettings};
+use crate::stager::{LocalSource, Stager, StagerSettings};
 use crate::stats::Counters;
 
 /// The daemon reports readiness on this inherited file descriptor.
@@ -523,6 +523,7 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     blocked_signals();
     let stager = Stager::start(
         catalog.clone(),
+        Arc::new(LocalSource),
         cache,
         plan.clone(),
         settings,

@@ -193,7 +193,10 @@ impl Tracker {
             .max(self.plan.join(self.base_epoch, 0));
         // Ahead, the window extends from the furthest open, not the cursor: a cursor held back
         // by positions the loader skipped must not stop matching the opens that follow.
-        let hi = self.cursor.max(self.high_water).saturating_add(self.settings.window);
+        let hi = self
+            .cursor
+            .max(self.high_water)
+            .saturating_add(self.settings.window);
         for epoch in [self.base_epoch, self.base_epoch + 1] {
             let plan = self.plan.epoch(epoch);
             for &off in plan.offsets_of(file) {

@@ -16,6 +16,7 @@
 //! prediction is never an error to a reader.
 
 mod eviction;
+mod source;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -31,6 +32,7 @@ use crate::catalog::{Catalog, FileId, Layout};
 use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
+pub use source::{LocalSource, Source};
 
 /// Backoff before retrying a failed source read: 0.1 s, 0.4 s, 1.6 s … Long enough to ride out
 /// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
@@ -115,6 +117,7 @@ struct State {
 
 struct Inner {
     catalog: Arc<Catalog>,
+    source: Arc<dyn Source>,
     cache: CacheDir,
     plan: Arc<Plan>,
     settings: StagerSettings,
@@ -135,6 +138,7 @@ type Deferred = Vec<(OpenCallback, OpenResult)>;
 impl Stager {
     pub fn start(
         catalog: Arc<Catalog>,
+        source: Arc<dyn Source>,
         cache: CacheDir,
         plan: Arc<Plan>,
         settings: StagerSettings,
@@ -176,6 +180,7 @@ impl Stager {
         }
         let inner = Arc::new(Inner {
             catalog,
+            source,
             cache,
             plan,
             settings: settings.clone(),
@@ -291,30 +296,23 @@ impl Inner {
 
     fn open_source(&self, file: FileId) -> OpenResult {
         let path = self.catalog.source_path(file);
-        let f = File::open(&path).map_err(|e| {
+        let f = self.source.open(&path).map_err(|e| {
             log::warn!("cannot open {} on the source: {e}", path.display());
             e.raw_os_error().unwrap_or(libc::EIO)
         })?;
         // The dataset is a snapshot: a file that changed since the mount is not served mixed.
         let entry = self.catalog.entry(file).expect("catalog file");
-        match f.metadata() {
-            Ok(m)
-                if m.len() == entry.size
-                    && std::os::unix::fs::MetadataExt::mtime(&m) == entry.mtime_secs =>
-            {
-                Ok(Opened {
-                    file: f,
-                    from_cache: false,
-                })
-            }
-            _ => {
-                log::warn!(
-                    "{} changed on the source since it was mounted; remount to see the new version",
-                    path.display()
-                );
-                Err(libc::ESTALE)
-            }
+        if f.metadata().is_ok_and(|m| entry.matches(&m)) {
+            return Ok(Opened {
+                file: f,
+                from_cache: false,
+            });
         }
+        log::warn!(
+            "{} changed on the source since it was mounted; remount to see the new version",
+            path.display()
+        );
+        Err(libc::ESTALE)
     }
 
     fn open(self: &Arc<Self>, file: FileId, reply: OpenCallback) {
@@ -643,7 +641,15 @@ impl Inner {
         let source = self.catalog.root_path().join(&relative);
         let mut attempt = 0;
         loop {
-            match self.cache.stage(&source, &relative, entry) {
+            let staged = self
+                .source
+                .open(&source)
+                .map_err(|e| CopyError::Source {
+                    path: source.clone(),
+                    source: e,
+                })
+                .and_then(|f| self.cache.stage(f, &source, &relative, entry));
+            match staged {
                 Err(CopyError::Source { .. })
                     if attempt < self.settings.retries && !self.shutdown.load(Ordering::SeqCst) =>
                 {

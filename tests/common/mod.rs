@@ -11,12 +11,18 @@ pub fn bin() -> PathBuf {
 
 /// Runs `stagefs ARGS`, returning its output.
 pub fn stagefs(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run stagefs")
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("run stagefs")
 }
 
 /// Mount tests need root (or a FUSE-enabled user with fusermount3); CI runs as root.
 pub fn require_fuse() {
-    assert!(Path::new("/dev/fuse").exists(), "/dev/fuse is missing: these tests mount FUSE file systems");
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: these tests mount FUSE file systems"
+    );
     // SAFETY: no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     assert!(
@@ -56,11 +62,21 @@ impl TestMount {
             log.display().to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let out = Command::new(bin()).args(&args).env("RUST_LOG", "info").output().expect("run stagefs mount");
+        let out = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .output()
+            .expect("run stagefs mount");
         if !out.status.success() {
             return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
         }
-        Ok(TestMount { source: source.to_path_buf(), mnt, cache, log, mounted: true })
+        Ok(TestMount {
+            source: source.to_path_buf(),
+            mnt,
+            cache,
+            log,
+            mounted: true,
+        })
     }
 
     /// The mount's statistics, as `getfattr -n user.stagefs.stats` gives them.
@@ -70,12 +86,18 @@ impl TestMount {
             .arg(&self.mnt)
             .output()
             .expect("run getfattr (apt-get install attr)");
-        assert!(out.status.success(), "getfattr: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "getfattr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("stats JSON")
     }
 
     pub fn stat(&self, key: &str) -> u64 {
-        self.stats()[key].as_u64().unwrap_or_else(|| panic!("stats has no integer {key}"))
+        self.stats()[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("stats has no integer {key}"))
     }
 
     /// The daemon's log so far (for assertions on messages and for failure output).
@@ -86,7 +108,11 @@ impl TestMount {
     pub fn unmount(mut self) {
         self.mounted = false;
         let out = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
-        assert!(out.status.success(), "unmount: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "unmount: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
