@@ -17,6 +17,8 @@
 
 mod eviction;
 mod source;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;

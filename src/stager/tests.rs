@@ -1,0 +1,521 @@
+//! Engine tests without a mount: a real SOURCE directory, a real cache directory, the real
+//! stager threads, and simulated readers that open files the way DataLoader workers do.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::mpsc;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::catalog::LayoutKind;
+use crate::order::{SamplerConfig, SamplerKind};
+
+/// Content of sample file `i`: distinct per file and per offset, so any mix-up shows.
+fn content(i: u32, size: usize) -> Vec<u8> {
+    (0..size)
+        .map(|k| (i as usize * 131 + k * 7 + k / 251) as u8)
+        .collect()
+}
+
+/// A source that can fail or slow down opens, like a flaky parallel file system.
+#[derive(Default)]
+struct FlakySource {
+    failing: Mutex<HashMap<PathBuf, u32>>,
+    broken: AtomicBool,
+    delay_ms: AtomicU64,
+    opens: AtomicU64,
+}
+
+impl Source for FlakySource {
+    fn open(&self, path: &Path) -> std::io::Result<File> {
+        self.opens.fetch_add(1, Ordering::Relaxed);
+        let delay = self.delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay));
+        }
+        let injected = self.broken.load(Ordering::Relaxed) || {
+            let mut failing = self.failing.lock();
+            match failing.get_mut(path) {
+                Some(left) if *left > 0 => {
+                    *left -= 1;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if injected {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        File::open(path)
+    }
+}
+
+struct Harness {
+    dir: tempfile::TempDir,
+    catalog: Arc<Catalog>,
+    plan: Arc<Plan>,
+    stager: Option<Stager>,
+    counters: Arc<Counters>,
+    source: Arc<FlakySource>,
+    /// Size of sample i's file.
+    sizes: Vec<usize>,
+    /// File id of sample i.
+    file_of: Vec<FileId>,
+}
+
+struct Setup {
+    files: u32,
+    min: usize,
+    max: usize,
+    sampler: SamplerConfig,
+    ranks: Vec<u32>,
+    capacity_share: f64,
+    lookahead_files: u64,
+    retries: u32,
+    /// Start with every source open failing.
+    source_broken: bool,
+}
+
+impl Setup {
+    fn new(files: u32, kind: SamplerKind) -> Setup {
+        Setup {
+            files,
+            min: 1_000,
+            max: 20_000,
+            sampler: SamplerConfig::new(kind),
+            ranks: vec![0],
+            capacity_share: 10.0,
+            lookahead_files: u64::MAX,
+            retries: 2,
+            source_broken: false,
+        }
+    }
+
+    fn build(self) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        let mut sizes = Vec::new();
+        for i in 0..self.files {
+            // Zero-padded names keep the tree layout's index equal to i.
+            let p = src.join(format!("d{:02}/f{i:06}.bin", i % 7));
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            let span = (self.max - self.min).max(1) as u64;
+            let size = self.min + ((i as u64).wrapping_mul(2654435761) % span) as usize;
+            std::fs::write(&p, content(i, size)).unwrap();
+            sizes.push(size);
+        }
+        let catalog = Arc::new(Catalog::scan(&src, 2).unwrap());
+        let layout = Arc::new(Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap());
+        let plan = Arc::new(Plan::new(self.sampler, self.ranks, layout, catalog.len()).unwrap());
+        let share: u64 = sizes.iter().map(|&s| s as u64).sum();
+        let settings = StagerSettings {
+            threads: 4,
+            lookahead_files: self.lookahead_files,
+            lookahead_bytes: u64::MAX,
+            capacity: (share as f64 * self.capacity_share) as u64,
+            read_through_above: u64::MAX,
+            retries: self.retries,
+            open_timeout: Duration::from_secs(20),
+            tracker: TrackerSettings {
+                window: 256,
+                ..TrackerSettings::default()
+            },
+        };
+        let source = Arc::new(FlakySource::default());
+        source.broken.store(self.source_broken, Ordering::SeqCst);
+        let counters = Arc::new(Counters::default());
+        let stager = start_stager(&dir, &catalog, &source, &plan, settings, &counters);
+        let file_of = (0..layout_len(&catalog))
+            .map(|i| layout_file(&catalog, i))
+            .collect();
+        Harness {
+            dir,
+            catalog,
+            plan,
+            stager: Some(stager),
+            counters,
+            source,
+            sizes,
+            file_of,
+        }
+    }
+}
+
+/// Sample index of a file id: the number in its name `fNNNNNN.bin`.
+fn sample_of(catalog: &Catalog, file: FileId) -> u32 {
+    catalog.name(file).to_str().unwrap()[1..7].parse().unwrap()
+}
+
+fn layout_len(catalog: &Catalog) -> u32 {
+    catalog.file_count() as u32
+}
+
+fn layout_file(catalog: &Catalog, sample: u32) -> FileId {
+    catalog
+        .files()
+        .find(|&f| sample_of(catalog, f) == sample)
+        .unwrap()
+}
+
+fn start_stager(
+    dir: &tempfile::TempDir,
+    catalog: &Arc<Catalog>,
+    source: &Arc<FlakySource>,
+    plan: &Arc<Plan>,
+    settings: StagerSettings,
+    counters: &Arc<Counters>,
+) -> Stager {
+    let cache = CacheDir::open(&dir.path().join("cache"), catalog.root_path()).unwrap();
+    Stager::start(
+        catalog.clone(),
+        source.clone(),
+        cache,
+        plan.clone(),
+        settings,
+        counters.clone(),
+    )
+}
+
+impl Harness {
+    fn stager(&self) -> &Stager {
+        self.stager.as_ref().unwrap()
+    }
+
+    fn sample_of(&self, file: FileId) -> u32 {
+        sample_of(&self.catalog, file)
+    }
+
+    /// Opens `file` as a reader would and returns its bytes (or the errno).
+    fn read(&self, file: FileId) -> Result<Vec<u8>, i32> {
+        let (tx, rx) = mpsc::channel();
+        self.stager()
+            .open(file, Box::new(move |r| tx.send(r).unwrap()));
+        let opened = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("open answered")?;
+        let mut buf = Vec::new();
+        let mut f = opened.file;
+        f.read_to_end(&mut buf).unwrap();
+        Ok(buf)
+    }
+
+    fn expected(&self, file: FileId) -> Vec<u8> {
+        let i = self.sample_of(file);
+        content(i, self.sizes[i as usize])
+    }
+
+    /// Reads `file` and checks it is the source's bytes (without printing megabytes on failure).
+    fn check(&self, file: FileId) {
+        let got = self
+            .read(file)
+            .unwrap_or_else(|e| panic!("file {file}: errno {e}"));
+        assert!(got == self.expected(file), "file {file}: wrong bytes");
+    }
+
+    /// Reads one epoch of the node stream like a DataLoader: `workers` threads each take
+    /// every `workers`-th batch, read it in order, then "compute" for `compute`.
+    fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
+        let stream = self.plan.stream(epoch);
+        let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
+        std::thread::scope(|s| {
+            for w in 0..workers {
+                let batches = &batches;
+                s.spawn(move || {
+                    for b in batches.iter().skip(w).step_by(workers) {
+                        for &f in b.iter() {
+                            self.check(f);
+                        }
+                        std::thread::sleep(compute);
+                    }
+                });
+            }
+        });
+    }
+
+    fn get(&self, c: &AtomicU64) -> u64 {
+        Counters::get(c)
+    }
+
+    fn share_bytes(&self) -> u64 {
+        self.sizes.iter().map(|&s| s as u64).sum()
+    }
+
+    /// Waits (bounded) until `cond` holds; false if it never did.
+    fn eventually(&self, mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(s) = self.stager.take() {
+            s.shutdown();
+        }
+    }
+}
+
+#[test]
+fn a_cache_that_holds_the_share_makes_every_later_epoch_all_hits() {
+    let h = Setup::new(300, SamplerKind::TorchDistributed).build();
+    h.read_epoch(0, 16, 2, Duration::from_millis(2));
+    assert!(h.eventually(|| h.stager().gauges().cached_files == 300));
+    let hits_before = h.get(&h.counters.hits);
+    h.read_epoch(1, 16, 2, Duration::ZERO);
+    assert_eq!(h.get(&h.counters.hits) - hits_before, 300);
+    assert_eq!(h.get(&h.counters.evictions), 0);
+    assert_eq!(
+        h.get(&h.counters.source_bytes),
+        h.share_bytes(),
+        "each file read from SOURCE once"
+    );
+    assert_eq!(h.stager().gauges().mispredictions, 0);
+    assert_eq!(h.stager().gauges().epoch, 2);
+}
+
+#[test]
+fn the_stager_runs_ahead_of_a_slow_reader() {
+    let h = Setup::new(200, SamplerKind::TorchRandom).build();
+    // Nobody reads yet: the frontier stages the start of the plan on its own.
+    assert!(h.eventually(|| h.get(&h.counters.staged_files) == 200));
+    h.read_epoch(0, 8, 2, Duration::ZERO);
+    assert_eq!(
+        h.get(&h.counters.hits),
+        200,
+        "everything was staged before it was opened"
+    );
+    assert_eq!(h.get(&h.counters.stall_nanos), 0);
+}
+
+#[test]
+fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
+    let mut setup = Setup::new(400, SamplerKind::TorchDistributed);
+    setup.capacity_share = 0.3;
+    let h = setup.build();
+    let share = h.share_bytes();
+    for epoch in 0..4 {
+        let before = h.get(&h.counters.source_bytes);
+        h.read_epoch(epoch, 16, 2, Duration::from_millis(3));
+        let read = h.get(&h.counters.source_bytes) - before;
+        if epoch > 0 {
+            let ratio = read as f64 / share as f64;
+            assert!(
+                ratio <= 1.02,
+                "epoch {epoch}: read {ratio:.3} × the share from SOURCE"
+            );
+        }
+    }
+    let gauges = h.stager().gauges();
+    assert!(gauges.cache_used_bytes <= gauges.cache_capacity_bytes);
+    let wasted = h.get(&h.counters.wasted_bytes) as f64 / h.get(&h.counters.staged_bytes) as f64;
+    assert!(wasted <= 0.01, "wasted staging {wasted:.4}");
+    assert!(
+        h.get(&h.counters.evictions) > 0,
+        "the cache was too small to keep everything"
+    );
+    assert_eq!(gauges.mispredictions, 0);
+}
+
+#[test]
+fn several_local_ranks_and_padding_are_one_node_stream() {
+    // 10 samples over 4 ranks pads to 12; this node serves ranks 1 and 3.
+    let mut setup = Setup::new(10, SamplerKind::TorchDistributed);
+    setup.sampler.world_size = 4;
+    setup.ranks = vec![1, 3];
+    let h = setup.build();
+    for epoch in 0..3 {
+        h.read_epoch(epoch, 2, 2, Duration::ZERO);
+    }
+    let g = h.stager().gauges();
+    assert_eq!(g.mispredictions, 0);
+    assert_eq!(g.epoch_len, 6);
+    assert_eq!(g.epoch, 3);
+}
+
+#[test]
+fn source_errors_reach_only_that_file_and_staging_carries_on() {
+    let h = Setup::new(50, SamplerKind::Sequential).build();
+    let bad = h.plan.stream(0)[20];
+    h.source
+        .failing
+        .lock()
+        .insert(h.catalog.source_path(bad), u32::MAX);
+    let started = Instant::now();
+    // The frontier may have tried it already; a reader's open tries again and gets EIO.
+    assert_eq!(h.read(bad), Err(libc::EIO));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "EIO came after {:?}",
+        started.elapsed()
+    );
+    assert!(h.get(&h.counters.errors) >= 1);
+    for &f in h.plan.stream(0).iter().filter(|&&f| f != bad) {
+        h.check(f);
+    }
+    // The source heals: the same file now reads fine.
+    h.source.failing.lock().clear();
+    h.check(bad);
+}
+
+#[test]
+fn a_broken_source_pauses_staging_which_resumes_by_itself() {
+    let mut setup = Setup::new(60, SamplerKind::Sequential);
+    setup.retries = 0;
+    setup.source_broken = true;
+    let h = setup.build();
+    let first = h.plan.stream(0)[0];
+    assert_eq!(h.read(first), Err(libc::EIO));
+    let opens_while_broken = h.source.opens.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(300));
+    // Paused: not hammering a dead source file after file.
+    assert!(h.source.opens.load(Ordering::SeqCst) - opens_while_broken < 10);
+    h.source.broken.store(false, Ordering::SeqCst);
+    assert!(
+        h.eventually(|| h.get(&h.counters.staged_files) >= 59),
+        "staging resumed"
+    );
+    for &f in &h.plan.stream(0) {
+        h.check(f);
+    }
+}
+
+#[test]
+fn a_slow_source_still_gives_the_right_bytes() {
+    let h = Setup::new(40, SamplerKind::TorchRandom).build();
+    h.source.delay_ms.store(5, Ordering::SeqCst);
+    h.read_epoch(0, 4, 4, Duration::ZERO);
+    assert_eq!(h.get(&h.counters.errors), 0);
+}
+
+#[test]
+fn a_wrong_seed_is_never_an_error_and_a_resumed_job_is_found_again() {
+    // The job really uses seed 7 and resumed at epoch 3; stagefs was told seed 7, epoch 0.
+    let mut setup = Setup::new(2000, SamplerKind::TorchRandom);
+    setup.sampler.seed = 7;
+    setup.min = 10;
+    setup.max = 100;
+    let h = setup.build();
+    let truth = h.plan.stream(3);
+    for &f in &truth[..200] {
+        h.check(f);
+    }
+    assert!(h.stager().gauges().mispredictions > 0);
+    assert!(
+        h.eventually(|| h.stager().gauges().mode == "predicting" && h.stager().gauges().epoch == 3),
+        "resynchronised to epoch 3: {:?}",
+        h.stager().gauges()
+    );
+    let misses = h.stager().gauges().mispredictions;
+    for &f in &truth[200..] {
+        h.check(f);
+    }
+    assert_eq!(
+        h.stager().gauges().mispredictions,
+        misses,
+        "no new mispredictions after resync"
+    );
+}
+
+#[test]
+fn setting_the_epoch_moves_the_prediction() {
+    let h = Setup::new(100, SamplerKind::TorchDistributed).build();
+    h.stager().set_epoch(5);
+    assert_eq!(h.stager().gauges().epoch, 5);
+    h.read_epoch(5, 10, 1, Duration::ZERO);
+    assert_eq!(h.stager().gauges().mispredictions, 0);
+}
+
+#[test]
+fn on_demand_mode_evicts_the_least_recently_used() {
+    let mut setup = Setup::new(5, SamplerKind::None);
+    setup.min = 1000;
+    setup.max = 1001;
+    // Room for three files.
+    setup.capacity_share = 3.5 / 5.0;
+    let h = setup.build();
+    let files: Vec<FileId> = h.catalog.files().collect();
+    for &i in &[0, 1, 2, 0, 3] {
+        h.check(files[i]);
+    }
+    assert_eq!(
+        h.stager().file_state(files[1]),
+        "remote",
+        "1 was least recently used"
+    );
+    for i in [0, 2, 3] {
+        assert_eq!(h.stager().file_state(files[i]), "cached");
+    }
+    assert_eq!(h.stager().gauges().mispredictions, 0);
+}
+
+#[test]
+fn a_remount_reuses_complete_files_and_drops_leftovers() {
+    let mut h = Setup::new(80, SamplerKind::TorchDistributed).build();
+    h.read_epoch(0, 8, 2, Duration::ZERO);
+    assert!(h.eventually(|| h.stager().gauges().cached_files == 80));
+    h.stager.take().unwrap().shutdown();
+    // A copy interrupted by a crash leaves a temporary file behind.
+    std::fs::write(h.dir.path().join("cache/tmp/999.1"), b"partial").unwrap();
+    let counters = Arc::new(Counters::default());
+    let settings = StagerSettings {
+        threads: 2,
+        lookahead_files: u64::MAX,
+        lookahead_bytes: u64::MAX,
+        capacity: u64::MAX / 2,
+        read_through_above: u64::MAX,
+        retries: 0,
+        open_timeout: Duration::from_secs(20),
+        tracker: TrackerSettings::default(),
+    };
+    h.stager = Some(start_stager(
+        &h.dir, &h.catalog, &h.source, &h.plan, settings, &counters,
+    ));
+    h.counters = counters;
+    assert_eq!(h.get(&h.counters.reused_files), 80);
+    assert!(!h.dir.path().join("cache/tmp/999.1").exists());
+    h.read_epoch(1, 8, 2, Duration::ZERO);
+    assert_eq!(h.get(&h.counters.hits), 80);
+    assert_eq!(h.get(&h.counters.source_bytes), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Whatever the capacity, lookahead and prediction, a reader gets the source's bytes.
+    #[test]
+    fn readers_always_get_the_source_bytes(
+        capacity_share in 0.0f64..1.3,
+        lookahead in prop_oneof![Just(u64::MAX), 1u64..40],
+        seed in 0i128..1000,
+        wrong_seed in any::<bool>(),
+        kind in prop_oneof![Just(SamplerKind::TorchDistributed), Just(SamplerKind::TorchRandom), Just(SamplerKind::None)],
+    ) {
+        let mut setup = Setup::new(60, kind);
+        setup.capacity_share = capacity_share;
+        setup.lookahead_files = lookahead;
+        setup.sampler.seed = seed;
+        let h = setup.build();
+        let mut reader_cfg = SamplerConfig::new(if kind == SamplerKind::None { SamplerKind::TorchRandom } else { kind });
+        reader_cfg.seed = if wrong_seed { seed + 1 } else { seed };
+        for epoch in 0..2 {
+            let order = reader_cfg.node_order(60, epoch, &[0]).unwrap();
+            for chunk in order.chunks(8) {
+                for &i in chunk.iter().rev() {
+                    let f = h.file_of[i as usize];
+                    prop_assert_eq!(h.read(f).unwrap(), h.expected(f));
+                }
+            }
+        }
+        let g = h.stager().gauges();
+        prop_assert!(g.cache_used_bytes <= g.cache_capacity_bytes.max(h.share_bytes()));
+    }
+}
