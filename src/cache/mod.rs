@@ -5,6 +5,7 @@
 //! CACHE/
 //!   stagefs-cache.json   manifest: format version and the SOURCE this cache holds
 //!   lock                 flock'ed by the daemon using the cache
+//!   index.bin            the catalog of SOURCE, so the next mount need not scan it
 //!   tmp/                 copies in progress (deleted at start-up)
 //!   data/xx/HASH         complete files; HASH = sha256(relative path)[..16] in hex, xx = its first byte
 //! ```
@@ -28,6 +29,8 @@ use sha2::{Digest, Sha256};
 use crate::catalog::{Catalog, Entry, FileId};
 
 const MANIFEST: &str = "stagefs-cache.json";
+/// The catalog a mount keeps for the next one (see `catalog::index`).
+const INDEX: &str = "index.bin";
 const MANIFEST_FORMAT: u32 = 1;
 /// How long to wait for the cache lock: long enough for a previous daemon to finish exiting.
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -323,6 +326,11 @@ impl CacheDir {
             st.f_blocks as u64 * st.f_frsize as u64,
         ))
     }
+}
+
+/// Where a mount keeps its catalog index inside the cache directory `root`.
+pub fn index_path(root: &Path) -> PathBuf {
+    root.join(INDEX)
 }
 
 fn cache_err(e: io::Error) -> CopyError {

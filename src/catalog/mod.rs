@@ -11,6 +11,7 @@
 //! readdir a slice walk. Ids are assigned breadth-first; the inode number is `id + 1` so the
 //! root is FUSE's inode 1.
 
+pub mod index;
 mod layout;
 mod scan;
 
@@ -19,6 +20,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use index::IndexError;
 pub use layout::{DEFAULT_EXTENSIONS, Layout, LayoutKind};
 pub use scan::ScanError;
 
@@ -43,12 +45,13 @@ pub enum Kind {
 pub struct Entry {
     pub parent: FileId,
     name_offset: u32,
-    name_len: u16,
+    /// Linux names are at most 255 bytes (NAME_MAX).
+    name_len: u8,
     pub kind: Kind,
     /// Permission bits (`st_mode & 0o7777`).
     pub perm: u16,
-    pub uid: u32,
-    pub gid: u32,
+    /// Index into [`Catalog::owners`]: datasets have few distinct (uid, gid) pairs.
+    owner: u32,
     pub size: u64,
     pub mtime_secs: i64,
     pub mtime_nanos: u32,
@@ -81,6 +84,7 @@ pub struct Catalog {
     root_path: PathBuf,
     entries: Vec<Entry>,
     names: Vec<u8>,
+    owners: Vec<(u32, u32)>,
     /// Symlink targets, by id; rare enough that a sorted side table beats a field per entry.
     link_targets: Vec<(FileId, OsString)>,
     file_count: u64,
@@ -142,6 +146,11 @@ impl Catalog {
             }
         }
         None
+    }
+
+    /// (uid, gid) of an entry.
+    pub fn owner(&self, e: &Entry) -> (u32, u32) {
+        self.owners.get(e.owner as usize).copied().unwrap_or((0, 0))
     }
 
     pub fn link_target(&self, id: FileId) -> Option<&OsStr> {

@@ -28,7 +28,7 @@ pub enum ScanError {
     Root { path: PathBuf, source: io::Error },
     #[error("source {0} is not a directory")]
     NotADirectory(PathBuf),
-    #[error("source has more than {max} entries, more than stagefs can index", max = u32::MAX)]
+    #[error("source has more entries (or longer names in total) than stagefs can index: at most {max} of each", max = u32::MAX)]
     TooManyEntries,
 }
 
@@ -226,20 +226,23 @@ fn assemble(
     mut listings: HashMap<PathBuf, Vec<Scanned>>,
 ) -> Result<Catalog, ScanError> {
     let total: usize = 1 + listings.values().map(Vec::len).sum::<usize>();
-    if total > u32::MAX as usize {
+    let name_bytes: usize = listings.values().flatten().map(|s| s.name.len()).sum();
+    if total > u32::MAX as usize || name_bytes > u32::MAX as usize {
         return Err(ScanError::TooManyEntries);
     }
     let mut catalog = Catalog {
         root_path: root.to_path_buf(),
         entries: Vec::with_capacity(total),
         names: Vec::new(),
+        owners: Vec::new(),
         link_targets: Vec::new(),
         file_count: 0,
         total_file_bytes: 0,
     };
     let root_scanned =
         Scanned::from_metadata(OsString::new(), root_meta, None).expect("root is a directory");
-    push_entry(&mut catalog, ROOT, root_scanned);
+    let mut owner_ids = HashMap::new();
+    push_entry(&mut catalog, &mut owner_ids, ROOT, root_scanned);
 
     // (directory id, its relative path), in id order.
     let mut frontier: VecDeque<(FileId, PathBuf)> = VecDeque::from([(ROOT, PathBuf::new())]);
@@ -254,7 +257,7 @@ fn assemble(
             if child.kind == Kind::Directory {
                 frontier.push_back((id, dir_path.join(&child.name)));
             }
-            push_entry(&mut catalog, dir_id, child);
+            push_entry(&mut catalog, &mut owner_ids, dir_id, child);
         }
     }
     catalog.link_targets.sort_by_key(|(id, _)| *id);
@@ -263,7 +266,12 @@ fn assemble(
     Ok(catalog)
 }
 
-fn push_entry(catalog: &mut Catalog, parent: FileId, s: Scanned) {
+fn push_entry(
+    catalog: &mut Catalog,
+    owner_ids: &mut HashMap<(u32, u32), u32>,
+    parent: FileId,
+    s: Scanned,
+) {
     let id = catalog.entries.len() as FileId;
     let name = s.name.as_bytes();
     if s.kind == Kind::File {
@@ -273,14 +281,17 @@ fn push_entry(catalog: &mut Catalog, parent: FileId, s: Scanned) {
     if let Some(target) = s.link_target {
         catalog.link_targets.push((id, target));
     }
+    let owner = *owner_ids.entry((s.uid, s.gid)).or_insert_with(|| {
+        catalog.owners.push((s.uid, s.gid));
+        catalog.owners.len() as u32 - 1
+    });
     catalog.entries.push(Entry {
         parent,
         name_offset: catalog.names.len() as u32,
-        name_len: name.len() as u16,
+        name_len: name.len() as u8,
         kind: s.kind,
         perm: s.perm,
-        uid: s.uid,
-        gid: s.gid,
+        owner,
         size: s.size,
         mtime_secs: s.mtime_secs,
         mtime_nanos: s.mtime_nanos,

@@ -2,6 +2,7 @@
 //! settings for the engine, and the subcommands' entry points.
 
 mod demo;
+mod index_cmd;
 pub mod mount;
 mod order_cmd;
 pub mod size;
@@ -40,6 +41,8 @@ pub enum Command {
     Order(order_cmd::OrderArgs),
     /// Show a mount's cache statistics
     Stats(stats_cmd::StatsArgs),
+    /// Scan SOURCE and save its catalog, so mounts of huge datasets start without a scan
+    Index(index_cmd::IndexArgs),
     /// Run the whole thing on a built-in synthetic dataset and report what happened
     Demo(demo::DemoArgs),
 }
@@ -155,6 +158,7 @@ pub fn run() -> i32 {
         Command::Unmount(args) => unmount::run(args),
         Command::Order(args) => order_cmd::run(args),
         Command::Stats(args) => stats_cmd::run(args),
+        Command::Index(args) => index_cmd::run(args),
         Command::Demo(args) => demo::run(args),
     };
     match result {

@@ -22,8 +22,8 @@ use fuser::{Config, MountOption, SessionACL};
 
 use super::size::{Lookahead, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
-use crate::cache::CacheDir;
-use crate::catalog::{Catalog, Layout};
+use crate::cache::{CacheDir, index_path};
+use crate::catalog::{Catalog, IndexError, Layout, index};
 use crate::fs::{MountedDataset, StageFs};
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, Stager, StagerSettings};
@@ -110,6 +110,10 @@ pub struct MountArgs {
     /// Serve cache hits with pread in the daemon even where FUSE passthrough is available
     #[arg(long, help_heading = "Mount")]
     pub no_passthrough: bool,
+    /// Start from this saved catalog (`stagefs index`) instead of scanning SOURCE; it is checked
+    /// against SOURCE first [default: the one a previous mount kept in the cache, if still valid]
+    #[arg(long, value_name = "FILE", help_heading = "Mount")]
+    pub index: Option<PathBuf>,
     /// Log file of the detached daemon [default: CACHE/stagefs.log]
     #[arg(long, value_name = "FILE", help_heading = "Mount")]
     pub log_file: Option<PathBuf>,
@@ -442,6 +446,42 @@ pub fn which(name: &str) -> Option<PathBuf> {
     })
 }
 
+/// The catalog from `--index`, else from the index a previous mount kept in the cache, else
+/// from a scan of SOURCE. Returns whether it was scanned (so the index should be saved).
+fn load_catalog(
+    args: &MountArgs,
+    source: &Path,
+    cache_root: &Path,
+) -> Result<(Catalog, bool), String> {
+    let from_index = |path: &Path| -> Result<Catalog, IndexError> {
+        let started = Instant::now();
+        let catalog = index::load(path, source)?;
+        index::check_fresh(&catalog, path, args.scan_threads)?;
+        log::info!(
+            "loaded {} entries from index {} in {:.2?}",
+            catalog.len(),
+            path.display(),
+            started.elapsed()
+        );
+        Ok(catalog)
+    };
+    if let Some(path) = &args.index {
+        return from_index(path)
+            .map(|c| (c, false))
+            .map_err(|e| e.to_string());
+    }
+    let kept = index_path(cache_root);
+    if kept.exists() {
+        match from_index(&kept) {
+            Ok(c) => return Ok((c, false)),
+            Err(e) => log::info!("not using the cache's index: {e}; scanning"),
+        }
+    }
+    Catalog::scan(source, args.scan_threads)
+        .map(|c| (c, true))
+        .map_err(|e| e.to_string())
+}
+
 /// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
 pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     check_paths(args)?;
@@ -469,7 +509,9 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let source = fs::canonicalize(&args.source)
         .map_err(|e| format!("source {}: {e}", args.source.display()))?;
 
-    let catalog = Arc::new(Catalog::scan(&source, args.scan_threads).map_err(|e| e.to_string())?);
+    let cache_root = absolute_for_new(&args.cache)?;
+    let (catalog, scanned) = load_catalog(args, &source, &cache_root)?;
+    let catalog = Arc::new(catalog);
     let layout = Arc::new(
         Layout::build(
             &catalog,
@@ -489,8 +531,16 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let sampler_name = format!("{}", sampler.kind);
     let plan =
         Arc::new(Plan::new(sampler, ranks, layout, catalog.len()).map_err(|e| e.to_string())?);
-    let cache =
-        CacheDir::open(&absolute_for_new(&args.cache)?, &source).map_err(|e| e.to_string())?;
+    let cache = CacheDir::open(&cache_root, &source).map_err(|e| e.to_string())?;
+    if scanned {
+        // Kept for the next mount of this cache; written off the start-up path.
+        let (catalog, path) = (catalog.clone(), index_path(&cache_root));
+        std::thread::spawn(move || {
+            if let Err(e) = index::save(&catalog, &path) {
+                log::warn!("{e}; the next mount will scan again");
+            }
+        });
+    }
     let capacity = match cache_size {
         Some(c) => c,
         None => {

@@ -94,6 +94,7 @@ impl StageFs {
             Kind::Symlink => FileType::Symlink,
         };
         let mtime = e.mtime();
+        let owner = self.data.catalog.owner(e);
         FileAttr {
             ino: Self::ino(id),
             size: e.size,
@@ -105,8 +106,8 @@ impl StageFs {
             kind,
             perm: e.perm,
             nlink: if e.kind == Kind::Directory { 2 } else { 1 },
-            uid: e.uid,
-            gid: e.gid,
+            uid: owner.0,
+            gid: owner.1,
             rdev: 0,
             blksize: 4096,
             flags: 0,
