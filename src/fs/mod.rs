@@ -48,7 +48,7 @@ pub struct MountedDataset {
 struct Handle {
     file: File,
     /// Kept until release: the kernel reads the cache file directly while it lives.
-    _backing: Option<BackingId>,
+    backing: Option<BackingId>,
 }
 
 pub struct StageFs {
@@ -216,13 +216,16 @@ impl Filesystem for StageFs {
                     } else {
                         None
                     };
+                    // The handle must exist before the kernel learns its number: the first
+                    // read may arrive the moment the reply is sent.
+                    handles.insert(fh, Handle { file, backing });
+                    let handle = handles.get(&fh).expect("just inserted");
                     // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the
                     // backing file's own page cache serves repeated reads instead.
-                    match &backing {
+                    match &handle.backing {
                         Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
                         None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
                     }
-                    handles.insert(fh, Handle { file, _backing: backing });
                 }
                 Err(errno) => reply.error(Errno::from_i32(errno)),
             }),
