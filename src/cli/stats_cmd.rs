@@ -1,12 +1,17 @@
 //! `stagefs stats`: a mount's statistics, read through its `user.stagefs.stats` xattr, so it
 //! works on any mount without talking to the daemon in any other way.
+//!
+//! Three views of the same [`Snapshot`]: a table, the raw JSON (`--json`), and `--watch`, one
+//! status line per refresh: the epoch, a bar of the epoch (`=` read, `+` scheduled for staging
+//! ahead of the reader), position/length, hit ratio and the source read rate. On a terminal the
+//! line is redrawn in place; into a pipe or log it is printed once per refresh.
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::stats::Snapshot;
 
@@ -41,6 +46,10 @@ pub fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
     if len < 0 {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
+            Some(libc::ENODATA) if is_inside_mount(path) => format!(
+                "{} is inside a stagefs mount, not its root: give the mount point",
+                path.display()
+            ),
             Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
                 format!("{} is not a stagefs mount", path.display())
             }
@@ -49,6 +58,16 @@ pub fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
     }
     buf.truncate(len as usize);
     Ok(buf)
+}
+
+/// Every directory and file of a mount answers `user.stagefs.state`.
+fn is_inside_mount(path: &Path) -> bool {
+    let Ok(p) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let n = CString::new("user.stagefs.state").expect("static name");
+    // SAFETY: valid C strings; a size probe writes nothing.
+    unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }
 
 fn human_bytes(b: u64) -> String {
@@ -134,36 +153,82 @@ pub fn run(args: StatsArgs) -> Result<(), String> {
     watch(&args, first)
 }
 
+/// Width of the epoch bar in `--watch`, in characters.
+const BAR_WIDTH: usize = 30;
+
+/// The epoch as a bar: `=` for positions read, `+` for those scheduled ahead of the reader
+/// (up to the epoch's end), blank for the rest.
+pub fn epoch_bar(position: u64, ahead: u64, len: u64, width: usize) -> String {
+    let len = len.max(1);
+    let cells = |n: u64| (n.min(len) as u128 * width as u128 / len as u128) as usize;
+    let read = cells(position);
+    let staged = cells(position.saturating_add(ahead)) - read;
+    format!(
+        "[{}{}{}]",
+        "=".repeat(read),
+        "+".repeat(staged),
+        " ".repeat(width - read - staged)
+    )
+}
+
+/// One `--watch` refresh: `mbps` is the source read rate since the previous one.
+pub fn status_line(s: &Snapshot, mbps: f64) -> String {
+    let pct = 100.0 * s.position as f64 / s.epoch_len.max(1) as f64;
+    format!(
+        "epoch {} {} {}/{} ({pct:.1}%) | ahead {} | hit ratio {:.3} | source {mbps:.1} MB/s | {}",
+        s.epoch,
+        epoch_bar(s.position, s.frontier, s.epoch_len, BAR_WIDTH),
+        s.position,
+        s.epoch_len,
+        s.frontier,
+        s.hit_ratio,
+        s.mode
+    )
+}
+
 fn watch(args: &StatsArgs, first: Snapshot) -> Result<(), String> {
     let interval = Duration::from_secs_f64(args.interval.clamp(0.1, 3600.0));
-    let bar = ProgressBar::new(first.epoch_len.max(1));
-    bar.set_style(
-        ProgressStyle::with_template("epoch {prefix} [{bar:40.cyan/blue}] {pos}/{len} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    // Drawn in place only when stdout is a terminal (hidden otherwise: then we print lines).
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
+    bar.set_style(ProgressStyle::with_template("{msg}").expect("valid template"));
     let mut previous = (Instant::now(), first.source_bytes);
     loop {
-        let s = read_snapshot(&args.mountpoint)?;
+        let s = match read_snapshot(&args.mountpoint) {
+            Ok(s) => s,
+            Err(e) => {
+                // Keep the last line on screen above the message.
+                bar.abandon();
+                return Err(e);
+            }
+        };
         let now = Instant::now();
         let mbps = (s.source_bytes.saturating_sub(previous.1)) as f64
             / now.duration_since(previous.0).as_secs_f64().max(1e-3)
             / 1e6;
         previous = (now, s.source_bytes);
-        bar.set_length(s.epoch_len.max(1));
-        bar.set_position(s.position.min(s.epoch_len));
-        bar.set_prefix(s.epoch.to_string());
-        bar.set_message(format!(
-            "ahead {} | hit ratio {:.3} | source {:.1} MB/s | {}",
-            s.frontier, s.hit_ratio, mbps, s.mode
-        ));
+        let line = status_line(&s, mbps);
         if bar.is_hidden() {
-            // Not a terminal (a log, `script`, a pipe): one line per refresh.
-            println!(
-                "epoch {} position {}/{} ahead {} hit_ratio {:.3} source {:.1} MB/s {}",
-                s.epoch, s.position, s.epoch_len, s.frontier, s.hit_ratio, mbps, s.mode
-            );
+            println!("{line}");
+        } else {
+            bar.set_message(line);
         }
         std::thread::sleep(interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::epoch_bar;
+
+    #[test]
+    fn bar_shows_read_and_staged_ahead() {
+        assert_eq!(epoch_bar(0, 0, 10, 10), "[          ]");
+        assert_eq!(epoch_bar(3, 4, 10, 10), "[===++++   ]");
+        // Staged into the next epoch: the bar stops at this epoch's end.
+        assert_eq!(epoch_bar(5, 100, 10, 10), "[=====+++++]");
+        assert_eq!(epoch_bar(10, 0, 10, 10), "[==========]");
+        // No epoch (sampler none) and absurd values stay well formed.
+        assert_eq!(epoch_bar(0, 0, 0, 4), "[    ]");
+        assert_eq!(epoch_bar(u64::MAX, u64::MAX, 7, 4), "[====]");
     }
 }

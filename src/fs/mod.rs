@@ -396,8 +396,8 @@ impl Filesystem for StageFs {
         }
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        xattr::get(self, Self::id(ino), name, size, reply);
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        xattr::get(self, Self::id(ino), name, size, req.pid(), reply);
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {

@@ -4,20 +4,31 @@
 //! Ours are answered by name but never listed, so `cp -a`, `rsync -X` and `getfattr -d` copy
 //! or show only what the dataset itself carries (`getfattr -n NAME` still reads them).
 //!
-//! - root: `user.stagefs.stats` (one JSON object) and `user.stagefs.<key>` for each of its keys;
-//!   `user.stagefs.epoch` is writable: the epoch the job (re)starts at; `user.stagefs.pid` is
+//! - root: `user.stagefs.stats` (one JSON object, keys in [`Snapshot`] field order) and
+//!   `user.stagefs.<key>` for each of its keys alone (strings unquoted); `user.stagefs.pid` is
 //!   the daemon's process id (`stagefs unmount` waits for it to exit).
+//! - root, writable: `user.stagefs.epoch` = the epoch the job (re)starts at, in decimal. A value
+//!   that is not a plain non-negative integer (or one so large that its positions would not fit
+//!   in 64 bits), or any epoch when the sampler predicts nothing (`--sampler none`), gets EINVAL
+//!   and changes nothing; so does writing any other `user.stagefs.*` name. Other names: EROFS.
 //! - a file: `user.stagefs.state` = `cached`, `staging` or `remote`.
-//! - a directory: `user.stagefs.state` = `N/M cached` for its M files (not recursive).
+//! - a directory: `user.stagefs.state` = `N/M cached` for the M regular files of its whole
+//!   subtree (the root's answer covers the dataset).
+//!
+//! Values that change between calls (counters, uptime) could outgrow the length a size probe
+//! reported, failing the caller's following read with ERANGE; see [`Probes`].
 
 use std::ffi::{CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use fuser::{Errno, ReplyEmpty, ReplyXattr};
+use parking_lot::Mutex;
 
 use super::StageFs;
-use crate::catalog::{FileId, Kind, ROOT};
+use crate::catalog::{Catalog, FileId, Kind, ROOT};
+use crate::stats::Snapshot;
 
 pub const PREFIX: &str = "user.stagefs.";
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
@@ -34,23 +45,111 @@ fn reply_bytes(reply: ReplyXattr, size: u32, bytes: &[u8]) {
     }
 }
 
+/// Our values given in answer to size probes, kept briefly per (thread, inode, name).
+///
+/// The usual caller probes for the length, allocates exactly that and reads; if a counter
+/// gained a digit in between, the fresh value no longer fits. Such a read then gets the
+/// probed value instead: a value as of a moment ago rather than a spurious ERANGE. A fresh
+/// value that fits is always preferred, so nothing else ever sees an old value.
+struct Probes(Mutex<Vec<Probe>>);
+
+struct Probe {
+    thread: u32,
+    id: FileId,
+    key: String,
+    value: Vec<u8>,
+    at: Instant,
+}
+
+/// Longer than any probe-then-read pair takes.
+const PROBE_LIFETIME: Duration = Duration::from_secs(2);
+/// Far more callers than probe at once; keeps a script probing thousands of files cheap.
+const MAX_PROBES: usize = 64;
+
+static PROBES: Probes = Probes(Mutex::new(Vec::new()));
+
+impl Probes {
+    fn remember(&self, thread: u32, id: FileId, key: &str, value: &[u8]) {
+        let mut list = self.0.lock();
+        list.retain(|p| {
+            p.at.elapsed() < PROBE_LIFETIME && !(p.thread == thread && p.id == id && p.key == key)
+        });
+        if list.len() >= MAX_PROBES {
+            list.remove(0);
+        }
+        list.push(Probe {
+            thread,
+            id,
+            key: key.to_string(),
+            value: value.to_vec(),
+            at: Instant::now(),
+        });
+    }
+
+    /// The probed value for this caller if it fits `size` (and forgets it either way).
+    fn take(&self, thread: u32, id: FileId, key: &str, size: usize) -> Option<Vec<u8>> {
+        let mut list = self.0.lock();
+        let i = list
+            .iter()
+            .position(|p| p.thread == thread && p.id == id && p.key == key)?;
+        let p = list.swap_remove(i);
+        (p.at.elapsed() < PROBE_LIFETIME && p.value.len() <= size).then_some(p.value)
+    }
+}
+
+/// A snapshot value as its single attribute: numbers and booleans as JSON writes them,
+/// strings without quotes.
+fn snapshot_value(snapshot: &Snapshot, key: &str) -> Option<Vec<u8>> {
+    if key == "stats" {
+        // Straight from the struct, so the keys keep their documented order.
+        return Some(serde_json::to_vec(snapshot).expect("snapshot serializes"));
+    }
+    let value = serde_json::to_value(snapshot).expect("snapshot serializes");
+    Some(match value.get(key)? {
+        serde_json::Value::String(s) => s.clone().into_bytes(),
+        other => other.to_string().into_bytes(),
+    })
+}
+
+/// Regular files in the subtree of `dir`, visited in chunks so the stager's lock is never
+/// held for a whole large dataset.
+fn cached_in_subtree(fs: &StageFs, catalog: &Catalog, dir: FileId) -> (u64, u64) {
+    const CHUNK: usize = 4096;
+    let (mut cached, mut total) = (0, 0);
+    let mut files = Vec::with_capacity(CHUNK);
+    let mut dirs = vec![dir];
+    let flush = |files: &mut Vec<FileId>, cached: &mut u64| {
+        *cached += fs.data.stager.cached_count(files.drain(..));
+    };
+    while let Some(d) = dirs.pop() {
+        for child in catalog.children(d) {
+            match catalog.entry(child).map(|e| e.kind) {
+                Some(Kind::File) => {
+                    files.push(child);
+                    total += 1;
+                    if files.len() == CHUNK {
+                        flush(&mut files, &mut cached);
+                    }
+                }
+                Some(Kind::Directory) => dirs.push(child),
+                _ => {}
+            }
+        }
+    }
+    flush(&mut files, &mut cached);
+    (cached, total)
+}
+
 fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
     let data = &fs.data;
     if id == ROOT {
+        if key == "pid" {
+            return Some(std::process::id().to_string().into_bytes());
+        }
         let snapshot = StageFs::snapshot(data, fs.passthrough.load(Ordering::Relaxed));
-        let value = serde_json::to_value(&snapshot).expect("snapshot serializes");
-        if key == "stats" {
-            return Some(value.to_string().into_bytes());
+        if let Some(v) = snapshot_value(&snapshot, key) {
+            return Some(v);
         }
-        if let Some(v) = value.get(key) {
-            return Some(match v {
-                serde_json::Value::String(s) => s.clone().into_bytes(),
-                other => other.to_string().into_bytes(),
-            });
-        }
-    }
-    if id == ROOT && key == "pid" {
-        return Some(std::process::id().to_string().into_bytes());
     }
     if key != "state" {
         return None;
@@ -59,31 +158,37 @@ fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
     Some(match entry.kind {
         Kind::File => data.stager.file_state(id).as_bytes().to_vec(),
         Kind::Directory => {
-            let catalog = &data.catalog;
-            let files: Vec<FileId> = catalog
-                .children(id)
-                .filter(|&c| catalog.entry(c).is_some_and(|e| e.kind == Kind::File))
-                .collect();
-            format!(
-                "{}/{} cached",
-                data.stager.cached_count(files.iter().copied()),
-                files.len()
-            )
-            .into_bytes()
+            let (cached, total) = cached_in_subtree(fs, &data.catalog, id);
+            format!("{cached}/{total} cached").into_bytes()
         }
         Kind::Symlink => return None,
     })
 }
 
-pub(super) fn get(fs: &StageFs, id: FileId, name: &OsStr, size: u32, reply: ReplyXattr) {
+/// `thread` is the caller's thread id as FUSE reports it (pairs probes with reads).
+pub(super) fn get(
+    fs: &StageFs,
+    id: FileId,
+    name: &OsStr,
+    size: u32,
+    thread: u32,
+    reply: ReplyXattr,
+) {
     if fs.data.catalog.entry(id).is_none() {
         return reply.error(Errno::ENOENT);
     }
     if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
-        return match ours(fs, id, key) {
-            Some(v) => reply_bytes(reply, size, &v),
-            None => reply.error(Errno::NO_XATTR),
+        let Some(value) = ours(fs, id, key) else {
+            return reply.error(Errno::NO_XATTR);
         };
+        if size == 0 {
+            PROBES.remember(thread, id, key, &value);
+        } else if value.len() > size as usize
+            && let Some(probed) = PROBES.take(thread, id, key, size as usize)
+        {
+            return reply.data(&probed);
+        }
+        return reply_bytes(reply, size, &value);
     }
     let path = fs.data.catalog.source_path(id);
     match source_xattr(&path, name) {
@@ -92,14 +197,26 @@ pub(super) fn get(fs: &StageFs, id: FileId, name: &OsStr, size: u32, reply: Repl
     }
 }
 
+/// The source's own names only, minus any `user.stagefs.*` it carries (ours shadow those, so
+/// listing them would promise values the mount does not give).
 pub(super) fn list(fs: &StageFs, id: FileId, size: u32, reply: ReplyXattr) {
     if fs.data.catalog.entry(id).is_none() {
         return reply.error(Errno::ENOENT);
     }
     match source_list(&fs.data.catalog.source_path(id)) {
-        Ok(names) => reply_bytes(reply, size, &names),
+        Ok(names) => reply_bytes(reply, size, &without_ours(&names)),
         Err(errno) => reply.error(Errno::from_i32(errno)),
     }
+}
+
+/// A listxattr buffer (NUL-terminated names) without the names under [`PREFIX`].
+fn without_ours(names: &[u8]) -> Vec<u8> {
+    names
+        .split_inclusive(|&b| b == 0)
+        .filter(|n| !n.starts_with(PREFIX.as_bytes()))
+        .flatten()
+        .copied()
+        .collect()
 }
 
 pub(super) fn set(fs: &StageFs, id: FileId, name: &OsStr, value: &[u8], reply: ReplyEmpty) {
@@ -109,13 +226,24 @@ pub(super) fn set(fs: &StageFs, id: FileId, name: &OsStr, value: &[u8], reply: R
     if id != ROOT || key != "epoch" {
         return reply.error(Errno::EINVAL);
     }
+    let stager = &fs.data.stager;
+    let epoch_len = stager.gauges().epoch_len;
     match parse_epoch(value) {
-        Some(epoch) if fs.data.stager.plan_predicts() => {
-            fs.data.stager.set_epoch(epoch);
+        Some(epoch) if stager.plan_predicts() && epoch_fits(epoch, epoch_len) => {
+            stager.set_epoch(epoch);
             reply.ok();
         }
         _ => reply.error(Errno::EINVAL),
     }
+}
+
+/// Whether the positions of `epoch` and the next one (how far the stager plans) fit in 64
+/// bits; beyond that positions saturate and the epoch would read back as another number.
+fn epoch_fits(epoch: u64, epoch_len: u64) -> bool {
+    epoch
+        .checked_add(2)
+        .and_then(|e| e.checked_mul(epoch_len))
+        .is_some()
 }
 
 /// An epoch as `setfattr -v 37` sends it: decimal digits, surrounding whitespace allowed.
@@ -170,7 +298,7 @@ fn source_list(path: &std::path::Path) -> Result<Vec<u8>, i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_epoch;
+    use super::{epoch_fits, parse_epoch, without_ours};
 
     #[test]
     fn epoch_values() {
@@ -187,5 +315,23 @@ mod tests {
         ] {
             assert_eq!(parse_epoch(junk), None, "{junk:?}");
         }
+    }
+
+    #[test]
+    fn huge_epochs_do_not_fit() {
+        assert!(epoch_fits(37, 1_281_167));
+        assert!(epoch_fits(u64::MAX / 10 - 2, 10));
+        assert!(!epoch_fits(u64::MAX / 10 - 1, 10));
+        assert!(!epoch_fits(u64::MAX, 1));
+    }
+
+    #[test]
+    fn listing_hides_ours() {
+        assert_eq!(
+            without_ours(b"user.origin\0user.stagefs.state\0security.x\0"),
+            b"user.origin\0security.x\0"
+        );
+        assert_eq!(without_ours(b"user.stagefs.stats\0"), b"");
+        assert_eq!(without_ours(b""), b"");
     }
 }

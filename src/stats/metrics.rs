@@ -1,8 +1,13 @@
-//! Prometheus text exposition of a [`Snapshot`], written atomically to a file every few
-//! seconds for node_exporter's textfile collector.
+//! Prometheus text exposition of a [`Snapshot`], written atomically (temp file + rename) to a
+//! file every few seconds for node_exporter's textfile collector.
+//!
+//! Names carry the `stagefs_` prefix, counters end in `_total`, every metric has `# HELP` and
+//! `# TYPE`. Every series is labelled with the mount's `source` directory and `sampler`, so
+//! several mounts on one node writing into one collector directory never collide; the
+//! tracker's mode is a state set (`stagefs_mode{mode="..."}` is 1 for the current one).
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -86,6 +91,12 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
             s.cache_full_events as f64,
         ),
         (
+            "stagefs_reused_files_total",
+            "counter",
+            "Files found complete in the cache at mount time and kept.",
+            s.reused_files as f64,
+        ),
+        (
             "stagefs_cache_used_bytes",
             "gauge",
             "Bytes held in the cache.",
@@ -128,6 +139,12 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
             s.epoch_len as f64,
         ),
         (
+            "stagefs_frontier_positions",
+            "gauge",
+            "Positions ahead of the reader already scheduled for staging.",
+            s.frontier as f64,
+        ),
+        (
             "stagefs_passthrough",
             "gauge",
             "1 if cache hits use FUSE passthrough.",
@@ -142,15 +159,38 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
     ]
 }
 
-/// The exposition text, every metric labelled with the mount's sampler.
-pub fn render(s: &Snapshot) -> String {
+/// The tracker's modes, exported as a state set.
+const MODES: [&str; 3] = ["predicting", "lost", "on-demand"];
+
+/// A label value as the exposition format wants it quoted.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The exposition text for the mount of `source`.
+pub fn render(s: &Snapshot, source: &Path) -> String {
+    let labels = format!(
+        "source=\"{}\",sampler=\"{}\"",
+        escape(&source.to_string_lossy()),
+        escape(&s.sampler)
+    );
     let mut out = String::new();
-    let label = s.sampler.replace('\\', "\\\\").replace('"', "\\\"");
     for (name, kind, help, value) in rows(s) {
         let _ = writeln!(
             out,
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{sampler=\"{label}\"}} {value}"
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}"
         );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP stagefs_mode Where the reader is tracked: predicting, lost (resyncing) or on-demand.\n# TYPE stagefs_mode gauge"
+    );
+    for mode in MODES {
+        let on = u8::from(s.mode == mode);
+        let _ = writeln!(out, "stagefs_mode{{{labels},mode=\"{mode}\"}} {on}");
     }
     out
 }
@@ -170,20 +210,23 @@ impl MetricsWriter {
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
             let mut warned = false;
-            loop {
-                let text = render(&StageFs::snapshot(
-                    &data,
-                    passthrough.load(Ordering::Relaxed),
-                ));
-                if let Err(e) = write_atomically(&path, text.as_bytes()) {
-                    if !warned {
-                        log::warn!("cannot write metrics file {}: {e}", path.display());
-                        warned = true;
-                    }
+            let mut write = || {
+                let snapshot = StageFs::snapshot(&data, passthrough.load(Ordering::Relaxed));
+                let text = render(&snapshot, data.catalog.root_path());
+                if let Err(e) = write_atomically(&path, text.as_bytes())
+                    && !warned
+                {
+                    log::warn!("cannot write metrics file {}: {e}", path.display());
+                    warned = true;
                 }
+            };
+            loop {
+                write();
                 // Sleep in short steps so stop() returns promptly.
                 for _ in 0..(WRITE_INTERVAL.as_millis() / 100) {
                     if flag.load(Ordering::SeqCst) {
+                        // Last values, so the file ends with the mount's final counts.
+                        write();
                         return;
                     }
                     std::thread::sleep(Duration::from_millis(100));
@@ -196,5 +239,34 @@ impl MetricsWriter {
     pub fn stop(self) {
         self.stop.store(true, Ordering::SeqCst);
         let _ = self.thread.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Instant;
+
+    use super::render;
+    use crate::stats::{Counters, Gauges, Snapshot};
+
+    #[test]
+    fn labels_escaped_and_mode_is_a_state_set() {
+        let c = Counters::default();
+        Counters::add(&c.hits, 3);
+        let g = Gauges {
+            mode: "lost",
+            ..Gauges::default()
+        };
+        let s = Snapshot::take(&c, g, "list".into(), false, Instant::now());
+        let text = render(&s, Path::new("/data/a\"b\\c\nd"));
+        let labels = r#"source="/data/a\"b\\c\nd",sampler="list""#;
+        assert!(
+            text.contains(&format!("stagefs_hits_total{{{labels}}} 3\n")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("stagefs_mode{{{labels},mode=\"lost\"}} 1\n")));
+        assert!(text.contains(&format!("stagefs_mode{{{labels},mode=\"predicting\"}} 0\n")));
+        assert_eq!(text.matches("# TYPE stagefs_mode ").count(), 1);
     }
 }

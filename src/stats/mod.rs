@@ -53,31 +53,46 @@ pub struct Gauges {
     pub mode: &'static str,
 }
 
-/// Everything a user may ask about a mount, under stable names (the xattr and JSON keys).
+/// Everything a user may ask about a mount, under stable names (the xattr and JSON keys, in
+/// this order). Counts are since the mount started; bytes are bytes.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Snapshot {
+    /// Opens of files already complete in the cache.
     pub hits: u64,
+    /// Opens that had to wait for a copy or read through from the source.
     pub misses: u64,
+    /// hits / (hits + misses); 0 before the first open.
     pub hit_ratio: f64,
+    /// Total time readers waited for copies.
     pub stall_seconds: f64,
     pub staged_files: u64,
     pub staged_bytes: u64,
+    /// Bytes the stager read from the source (copies and read-through).
     pub source_bytes: u64,
     pub cache_used_bytes: u64,
     pub cache_capacity_bytes: u64,
     pub cached_files: u64,
     pub evictions: u64,
+    /// Bytes staged and evicted before anyone read them.
     pub wasted_bytes: u64,
+    /// Opens that matched no predicted position.
     pub mispredictions: u64,
     pub errors: u64,
     pub cache_full_events: u64,
+    /// Files found complete in the cache at mount time and kept.
     pub reused_files: u64,
+    /// Where the tracker believes the reader is: epoch, and position within it.
     pub epoch: u64,
     pub position: u64,
+    /// Positions per epoch on this node (all its local ranks).
     pub epoch_len: u64,
+    /// Positions ahead of the reader already scheduled for staging (may reach into the next
+    /// epoch).
     pub frontier: u64,
+    /// `predicting`, `lost` (resyncing after unpredicted opens) or `on-demand`.
     pub mode: String,
     pub sampler: String,
+    /// Whether cache hits are served by FUSE passthrough (the kernel reads cache files).
     pub passthrough: bool,
     pub uptime_seconds: f64,
 }
