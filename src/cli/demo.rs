@@ -44,7 +44,7 @@ fn synthetic_size(i: u32) -> usize {
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407)
         >> 33;
-    20_000 + (x % 180_000) as usize + if x % 7 == 0 { 100_000 } else { 0 }
+    20_000 + (x % 180_000) as usize + if x.is_multiple_of(7) { 100_000 } else { 0 }
 }
 
 fn make_dataset(root: &Path, files: u32) -> Result<(), String> {

@@ -34,11 +34,11 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Mount SOURCE at MOUNTPOINT and stage files into --cache ahead of the reader
-    Mount(mount::MountArgs),
+    Mount(Box<mount::MountArgs>),
     /// Unmount a stagefs mount (the daemon exits)
     Unmount(unmount::UnmountArgs),
     /// Print the predicted access order, one index (or path) per line
-    Order(order_cmd::OrderArgs),
+    Order(Box<order_cmd::OrderArgs>),
     /// Show a mount's cache statistics
     Stats(stats_cmd::StatsArgs),
     /// Scan SOURCE and save its catalog, so mounts of huge datasets start without a scan
@@ -154,9 +154,9 @@ impl LayoutArgs {
 pub fn run() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Mount(args) => mount::run(args),
+        Command::Mount(args) => mount::run(*args),
         Command::Unmount(args) => unmount::run(args),
-        Command::Order(args) => order_cmd::run(args),
+        Command::Order(args) => order_cmd::run(*args),
         Command::Stats(args) => stats_cmd::run(args),
         Command::Index(args) => index_cmd::run(args),
         Command::Demo(args) => demo::run(args),
