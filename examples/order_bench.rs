@@ -1,15 +1,9 @@
 //! Times `SamplerConfig::epoch_order` for each shuffling sampler at ImageNet-1k (1,281,167)
 //! and ImageNet-21k (14,197,103) sizes. Run with `cargo run --release --example order_bench`.
-//!
-//! The crate has no library target yet, so the module is compiled in directly.
-
-#[allow(dead_code, unused_imports)] // only part of the API is timed
-#[path = "../src/order/mod.rs"]
-mod order;
 
 use std::time::Instant;
 
-use order::{GeneratorSource, SamplerConfig, SamplerKind};
+use stagefs::order::{GeneratorSource, SamplerConfig, SamplerKind};
 
 fn time_epoch(cfg: &SamplerConfig, len: u64, epoch: u64) -> f64 {
     // Best of three: the machine is shared.

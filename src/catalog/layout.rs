@@ -126,6 +126,11 @@ impl Layout {
         &self.classes
     }
 
+    /// Heap memory of the sample → file table, in bytes.
+    pub fn heap_bytes(&self) -> usize {
+        4 * self.files.capacity()
+    }
+
     /// Sample i is file i: for engine tests that do not need a real tree.
     #[cfg(test)]
     pub fn identity(n: u32) -> Layout {

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use index::IndexError;
 pub use layout::{DEFAULT_EXTENSIONS, Layout, LayoutKind};
-pub use scan::ScanError;
+pub use scan::{Lister, ScanError, Scanned};
 
 /// A catalog node id: index into [`Catalog::entries`]. The root is 0.
 pub type FileId = u32;
@@ -97,6 +97,15 @@ impl Catalog {
         scan::scan(root, threads)
     }
 
+    /// Builds the catalog of the tree `lister` describes (see [`Lister`]).
+    pub fn scan_with(
+        root: &Path,
+        lister: &dyn Lister,
+        threads: usize,
+    ) -> Result<Catalog, ScanError> {
+        scan::scan_with(root, lister, threads)
+    }
+
     pub fn root_path(&self) -> &Path {
         &self.root_path
     }
@@ -105,6 +114,18 @@ impl Catalog {
     #[allow(clippy::len_without_is_empty)] // the root always exists
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Heap memory the catalog holds, in bytes.
+    pub fn heap_bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.names.capacity()
+            + self.owners.capacity() * 8
+            + self
+                .link_targets
+                .iter()
+                .map(|(_, t)| 32 + t.len())
+                .sum::<usize>()
     }
 
     pub fn file_count(&self) -> u64 {

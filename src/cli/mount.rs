@@ -511,6 +511,12 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
 
     let cache_root = absolute_for_new(&args.cache)?;
     let (catalog, scanned) = load_catalog(args, &source, &cache_root)?;
+    log::info!(
+        "catalog: {} entries in {:.1} MB ({:.0} bytes per entry)",
+        catalog.len(),
+        catalog.heap_bytes() as f64 / 1e6,
+        catalog.heap_bytes() as f64 / catalog.len() as f64
+    );
     let catalog = Arc::new(catalog);
     let layout = Arc::new(
         Layout::build(

@@ -26,9 +26,9 @@ pub type Position = u64;
 /// "Not needed again within the horizon we know": evicted first.
 pub const NEVER: Position = Position::MAX;
 
-/// Epoch plans kept in memory: the cursor's epoch, the next one the stager runs into, and one
-/// spare so a reader straddling the boundary does not make us recompute.
-const CACHED_EPOCHS: usize = 3;
+/// Epoch plans kept in memory: the cursor's epoch and the next one, which is all the tracker
+/// and the stager look at (12 bytes per sample each, so this bounds the plan's memory).
+const CACHED_EPOCHS: usize = 2;
 
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
@@ -71,6 +71,11 @@ impl EpochPlan {
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> u64 {
         self.stream.len() as u64
+    }
+
+    /// Heap memory of this epoch's plan, in bytes.
+    pub fn heap_bytes(&self) -> usize {
+        4 * (self.stream.capacity() + self.starts.capacity() + self.positions.capacity())
     }
 
     /// Offsets at which `file` is read in this epoch, ascending.

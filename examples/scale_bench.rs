@@ -1,0 +1,180 @@
+//! Catalog, index and plan at ImageNet scale, in process, without creating millions of files.
+//!
+//! `cargo run --release --example scale_bench -- [ENTRIES [CLASSES]]` (defaults: 1,281,167
+//! files in 1,000 classes; ImageNet-22k is `14197103 21841`). A synthetic lister stands in for
+//! the file system, so "scan" times here are stagefs's own assembly cost; the real-disk scan,
+//! the mount and lookups through FUSE are measured by `tests/bench/scale_bench.sh`.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use stagefs::catalog::{
+    Catalog, DEFAULT_EXTENSIONS, Kind, Layout, LayoutKind, Lister, Scanned, index,
+};
+use stagefs::order::{SamplerConfig, SamplerKind};
+use stagefs::plan::{Plan, Tracker, TrackerSettings};
+
+struct Synthetic {
+    files: u64,
+    classes: u64,
+}
+
+fn entry(name: String, kind: Kind, size: u64) -> Scanned {
+    Scanned {
+        name: OsString::from(name),
+        kind,
+        perm: 0o644,
+        uid: 1000,
+        gid: 1000,
+        size,
+        mtime_secs: 1_600_000_000,
+        mtime_nanos: 0,
+        link_target: None,
+    }
+}
+
+impl Lister for Synthetic {
+    fn root(&self) -> Scanned {
+        entry(String::new(), Kind::Directory, 0)
+    }
+
+    fn list(&self, dir: &Path) -> Vec<Scanned> {
+        if dir.as_os_str().is_empty() {
+            return (0..self.classes)
+                .map(|c| entry(format!("n{c:08}"), Kind::Directory, 0))
+                .collect();
+        }
+        let class: u64 = dir.to_str().unwrap()[1..].parse().unwrap();
+        // Spread files evenly; ImageNet-like names and sizes (~110 KB mean).
+        let (lo, hi) = (
+            class * self.files / self.classes,
+            (class + 1) * self.files / self.classes,
+        );
+        (lo..hi)
+            .map(|i| {
+                entry(
+                    format!("n{class:08}_{i}.JPEG"),
+                    Kind::File,
+                    20_000 + i * 2654435761 % 180_000,
+                )
+            })
+            .collect()
+    }
+}
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    kb * 1024
+}
+
+fn main() {
+    let args: Vec<u64> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("a number"))
+        .collect();
+    let files = args.first().copied().unwrap_or(1_281_167);
+    let classes = args.get(1).copied().unwrap_or(1_000);
+    let root = PathBuf::from("/synthetic/imagenet");
+    println!("synthetic tree: {files} files in {classes} classes");
+
+    let t = Instant::now();
+    let catalog = Catalog::scan_with(&root, &Synthetic { files, classes }, 2).unwrap();
+    println!(
+        "catalog built in {:.2?}: {} entries, {:.1} B/entry on the heap",
+        t.elapsed(),
+        catalog.len(),
+        catalog.heap_bytes() as f64 / catalog.len() as f64
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.bin");
+    let t = Instant::now();
+    index::save(&catalog, &path).unwrap();
+    let size = std::fs::metadata(&path).unwrap().len();
+    println!(
+        "index written in {:.2?}: {:.1} MB",
+        t.elapsed(),
+        size as f64 / 1e6
+    );
+    drop(catalog);
+
+    let before = rss_bytes();
+    let t = Instant::now();
+    let catalog = Arc::new(index::load(&path, &root).unwrap());
+    println!(
+        "index loaded and verified in {:.2?} (the SOURCE freshness check, one stat per directory, is not included)",
+        t.elapsed()
+    );
+
+    let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
+    let t = Instant::now();
+    let layout = Arc::new(Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap());
+    let layout_bytes = layout.heap_bytes();
+    println!(
+        "imagefolder layout in {:.2?}: {} samples",
+        t.elapsed(),
+        layout.len()
+    );
+
+    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    sampler.world_size = 8;
+    let t = Instant::now();
+    let plan = Arc::new(Plan::new(sampler, (0..8).collect(), layout, catalog.len()).unwrap());
+    println!(
+        "plan of epoch 0 (8 local ranks of world 8: the whole dataset on one node) in {:.2?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    let epoch1 = plan.epoch(1);
+    println!("plan of epoch 1 in {:.2?}", t.elapsed());
+    let tracker = Tracker::new(plan.clone(), TrackerSettings::default());
+    let after = rss_bytes();
+
+    let plan_bytes = 2 * epoch1.heap_bytes();
+    let tracker_bytes = (2 * plan.epoch_len()).div_ceil(8) as usize;
+    let accounted = catalog.heap_bytes() + layout_bytes + plan_bytes + tracker_bytes;
+    println!(
+        "memory per file: catalog {:.1} B + layout {:.1} B + plan (2 epochs) {:.1} B + tracker {:.2} B = {:.1} B; process RSS grew {:.1} B/file",
+        catalog.heap_bytes() as f64 / files as f64,
+        layout_bytes as f64 / files as f64,
+        plan_bytes as f64 / files as f64,
+        tracker_bytes as f64 / files as f64,
+        accounted as f64 / files as f64,
+        after.saturating_sub(before) as f64 / files as f64
+    );
+    drop(tracker);
+
+    // Lookups of random existing paths, as stat through the mount does per component.
+    let paths: Vec<PathBuf> = (0..100_000u64)
+        .map(|k| {
+            let i = k.wrapping_mul(0x9E3779B97F4A7C15) % files;
+            let class = (0..classes)
+                .find(|&c| (c + 1) * files / classes > i)
+                .unwrap();
+            PathBuf::from(format!("n{class:08}/n{class:08}_{i}.JPEG"))
+        })
+        .collect();
+    let t = Instant::now();
+    let found = paths
+        .iter()
+        .filter(|p| catalog.lookup_path(p).is_some())
+        .count();
+    let secs = t.elapsed().as_secs_f64();
+    assert_eq!(found, paths.len());
+    println!(
+        "in-process lookups: {:.0}/s ({} paths)",
+        paths.len() as f64 / secs,
+        paths.len()
+    );
+}
