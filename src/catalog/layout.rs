@@ -76,7 +76,7 @@ impl Layout {
         extensions: &[String],
         list_file: Option<&Path>,
     ) -> Result<Layout, LayoutError> {
-        let layout = match kind {
+        let mut layout = match kind {
             LayoutKind::ImageFolder => image_folder(catalog, extensions),
             LayoutKind::Tree => Layout {
                 files: sorted_tree(catalog),
@@ -100,6 +100,7 @@ impl Layout {
                 }
             }
         };
+        layout.files.shrink_to_fit();
         if layout.is_empty() {
             return Err(LayoutError::Empty(kind));
         }
