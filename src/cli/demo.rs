@@ -141,7 +141,7 @@ fn read_epochs(mnt: &Path, args: &DemoArgs) -> Result<(), String> {
     let sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
     println!(
         "\n{:>5} {:>9} {:>10} {:>9} {:>9} {:>12}",
-        "epoch", "seconds", "waited s", "hits", "misses", "from source"
+        "epoch", "seconds", "reading s", "hits", "misses", "from source"
     );
     for epoch in 0..args.epochs {
         let before = stats_cmd::read_snapshot(mnt)?;
