@@ -327,7 +327,9 @@ fn cache_err(e: io::Error) -> CopyError {
     }
 }
 
-fn matches_entry(m: &fs::Metadata, e: &Entry) -> bool {
+/// Whether `m` is still the file the catalog recorded: same size and mtime to the nanosecond
+/// (a rewrite within the same second must not pass).
+pub fn matches_entry(m: &fs::Metadata, e: &Entry) -> bool {
     m.len() == e.size && m.mtime() == e.mtime_secs && m.mtime_nsec() as u32 == e.mtime_nanos
 }
 

@@ -298,15 +298,10 @@ impl Inner {
         // The dataset is a snapshot: a file that changed since the mount is not served mixed.
         let entry = self.catalog.entry(file).expect("catalog file");
         match f.metadata() {
-            Ok(m)
-                if m.len() == entry.size
-                    && std::os::unix::fs::MetadataExt::mtime(&m) == entry.mtime_secs =>
-            {
-                Ok(Opened {
-                    file: f,
-                    from_cache: false,
-                })
-            }
+            Ok(m) if crate::cache::matches_entry(&m, entry) => Ok(Opened {
+                file: f,
+                from_cache: false,
+            }),
             _ => {
                 log::warn!(
                     "{} changed on the source since it was mounted; remount to see the new version",
