@@ -47,6 +47,9 @@ pub struct MountedDataset {
 
 struct Handle {
     file: File,
+    /// False for a file read through from SOURCE: each read then checks it is still the
+    /// version catalogued, so a file changed in place while open is never served mixed.
+    from_cache: bool,
     /// Kept until release: the kernel reads the cache file directly while it lives.
     _backing: Option<BackingId>,
 }
@@ -221,7 +224,14 @@ impl Filesystem for StageFs {
                         Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
                         None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
                     }
-                    handles.insert(fh, Handle { file, _backing: backing });
+                    handles.insert(
+                        fh,
+                        Handle {
+                            file,
+                            from_cache,
+                            _backing: backing,
+                        },
+                    );
                 }
                 Err(errno) => reply.error(Errno::from_i32(errno)),
             }),
@@ -231,7 +241,7 @@ impl Filesystem for StageFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -255,11 +265,26 @@ impl Filesystem for StageFs {
                 Err(e) => {
                     log::warn!(
                         "read of {} failed: {e}",
-                        self.data.catalog.relative_path(Self::id(_ino)).display()
+                        self.data.catalog.relative_path(Self::id(ino)).display()
                     );
                     return reply.error(Errno::EIO);
                 }
             }
+        }
+        // Checked after the read: a writer updates the mtime before it writes data, so an
+        // unchanged mtime now means these bytes are the catalogued version's.
+        if !handle.from_cache
+            && let Ok(entry) = self.entry(ino)
+            && !handle
+                .file
+                .metadata()
+                .is_ok_and(|m| crate::cache::matches_entry(&m, entry))
+        {
+            log::warn!(
+                "{} changed on the source while open; the reader gets ESTALE (remount to see the new version)",
+                self.data.catalog.relative_path(Self::id(ino)).display()
+            );
+            return reply.error(Errno::ESTALE);
         }
         reply.data(&buf[..filled]);
     }
