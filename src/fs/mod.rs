@@ -51,7 +51,7 @@ struct Handle {
     /// version catalogued, so a file changed in place while open is never served mixed.
     from_cache: bool,
     /// Kept until release: the kernel reads the cache file directly while it lives.
-    _backing: Option<BackingId>,
+    backing: Option<BackingId>,
 }
 
 pub struct StageFs {
@@ -218,20 +218,23 @@ impl Filesystem for StageFs {
                     } else {
                         None
                     };
-                    // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the
-                    // backing file's own page cache serves repeated reads instead.
-                    match &backing {
-                        Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
-                        None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
-                    }
+                    // Registered before the kernel learns the handle: its first read may come
+                    // at once, on another thread.
                     handles.insert(
                         fh,
                         Handle {
                             file,
                             from_cache,
-                            _backing: backing,
+                            backing,
                         },
                     );
+                    let handle = handles.get(&fh).expect("just inserted");
+                    // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the
+                    // backing file's own page cache serves repeated reads instead.
+                    match &handle.backing {
+                        Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
+                        None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+                    }
                 }
                 Err(errno) => reply.error(Errno::from_i32(errno)),
             }),
