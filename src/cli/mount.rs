@@ -131,14 +131,88 @@ pub struct RunningMount {
 }
 
 impl RunningMount {
-    /// Unmounts and stops the stager. Returns once the FUSE session has ended.
+    /// Unmounts and stops the stager. Returns once the FUSE session has ended, or after
+    /// [`LAZY_WAIT`] if readers keep files open on a lazily detached mount.
     pub fn stop(self) {
-        if let Err(e) = self.session.umount_and_join() {
-            log::warn!("unmounting {}: {e}", self.mountpoint.display());
+        let RunningMount {
+            session,
+            data,
+            mountpoint,
+            ..
+        } = self;
+        if let Err(e) = detach(&mountpoint) {
+            log::warn!("unmounting {}: {e}", mountpoint.display());
         }
-        if let Ok(data) = Arc::try_unwrap(self.data) {
+        let deadline = Instant::now() + LAZY_WAIT;
+        while !session.guard.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !session.guard.is_finished() {
+            log::warn!(
+                "files on {} are still open after {LAZY_WAIT:?}; exiting anyway (their readers get ENOTCONN)",
+                mountpoint.display()
+            );
+            // Dropping the session would unmount whatever is mounted at that path by now.
+            std::mem::forget(session);
+            return;
+        }
+        // The kernel has ended the session. fuser still tries its own unmount, which can only
+        // find the mount gone already (EINVAL): not worth a warning.
+        if let Err(e) = session.umount_and_join() {
+            log::debug!("fuser unmounting {}: {e}", mountpoint.display());
+        }
+        if let Ok(data) = Arc::try_unwrap(data) {
             data.stager.shutdown();
         }
+    }
+}
+
+/// How long a stopping daemon keeps serving files still open on its lazily detached mount.
+const LAZY_WAIT: Duration = Duration::from_secs(10);
+
+/// Takes the mount out of the namespace. A reader holding a file open makes a plain unmount
+/// fail with EBUSY, and exiting then would leave a dead mount behind (ENOTCONN for everyone
+/// until someone unmounts it): the mount is then detached lazily, so it disappears at once
+/// and the open files keep working until they are closed.
+fn detach(mountpoint: &Path) -> Result<(), String> {
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
+        .map_err(|_| "mountpoint contains a NUL byte".to_string())?;
+    // SAFETY: valid C string.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EBUSY) => {
+            log::warn!(
+                "{} is busy (a reader holds a file open): detaching it lazily",
+                mountpoint.display()
+            );
+            // SAFETY: valid C string.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error().to_string())
+            }
+        }
+        // Already unmounted from outside (`fusermount3 -u`, `umount`).
+        Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(()),
+        // Not privileged: the setuid helper unmounts for us, lazily if it must.
+        Some(libc::EPERM) => {
+            let fusermount = which("fusermount3").ok_or("fusermount3 not found")?;
+            for args in [&["-u"][..], &["-u", "-z"][..]] {
+                if Command::new(&fusermount)
+                    .args(args)
+                    .arg(mountpoint)
+                    .status()
+                    .is_ok_and(|s| s.success())
+                {
+                    return Ok(());
+                }
+            }
+            Err("fusermount3 -u failed".into())
+        }
+        _ => Err(err.to_string()),
     }
 }
 

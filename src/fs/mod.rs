@@ -47,13 +47,31 @@ pub struct MountedDataset {
 
 struct Handle {
     file: File,
-    /// Kept until release: the kernel reads the cache file directly while it lives.
-    backing: Option<BackingId>,
+    /// False for a file read through from SOURCE: each read then checks it is still the
+    /// version catalogued, so a file changed in place while open is never served mixed.
+    from_cache: bool,
+    /// Shared by the inode's passthrough handles: the kernel reads that file directly.
+    backing: Option<Arc<BackingId>>,
+}
+
+/// How an inode is open. The kernel requires every open of an inode already open in
+/// passthrough to be passthrough with the same backing file, and refuses passthrough while it
+/// is open any other way; it fails the open with EIO otherwise. So the first open decides and
+/// the others follow until the last is released.
+#[derive(Default)]
+struct InodeOpens {
+    /// Handles answered with passthrough, and their backing file.
+    passthrough: usize,
+    backing: Option<Arc<BackingId>>,
+    /// Handles answered without: their reads come to the daemon.
+    plain: usize,
 }
 
 pub struct StageFs {
     data: Arc<MountedDataset>,
     handles: Arc<DashMap<u64, Handle>>,
+    /// Inodes with open handles, by inode number.
+    opens: Arc<DashMap<u64, InodeOpens>>,
     next_handle: Arc<AtomicU64>,
     /// Decided at init from the kernel's capabilities, turned off for good if the kernel
     /// refuses a backing file (e.g. not privileged).
@@ -65,6 +83,7 @@ impl StageFs {
         StageFs {
             data,
             handles: Arc::new(DashMap::new()),
+            opens: Arc::new(DashMap::new()),
             next_handle: Arc::new(AtomicU64::new(1)),
             passthrough: Arc::new(AtomicBool::new(false)),
         }
@@ -196,6 +215,7 @@ impl Filesystem for StageFs {
             Err(err) => return reply.error(err),
         }
         let handles = self.handles.clone();
+        let opens = self.opens.clone();
         let next = self.next_handle.clone();
         let passthrough = self.passthrough.clone();
         self.data.stager.open(
@@ -203,9 +223,19 @@ impl Filesystem for StageFs {
             Box::new(move |result| match result {
                 Ok(Opened { file, from_cache }) => {
                     let fh = next.fetch_add(1, Ordering::Relaxed);
-                    let backing = if from_cache && passthrough.load(Ordering::Relaxed) {
+                    // Held until the reply is sent, so opens of one inode decide in turn.
+                    let mut inode = opens.entry(ino.0).or_default();
+                    let backing = if let Some(b) = &inode.backing {
+                        // Already open in passthrough: this open must be too, whether the
+                        // stager found the file cached or not (the backing file is the
+                        // verified cached copy).
+                        Some(b.clone())
+                    } else if inode.plain == 0
+                        && from_cache
+                        && passthrough.load(Ordering::Relaxed)
+                    {
                         match reply.open_backing(&file) {
-                            Ok(b) => Some(b),
+                            Ok(b) => Some(Arc::new(b)),
                             Err(e) => {
                                 if passthrough.swap(false, Ordering::SeqCst) {
                                     log::warn!("kernel refused a passthrough backing file ({e}); serving cache hits with pread from now on");
@@ -216,9 +246,23 @@ impl Filesystem for StageFs {
                     } else {
                         None
                     };
-                    // The handle must exist before the kernel learns its number: the first
-                    // read may arrive the moment the reply is sent.
-                    handles.insert(fh, Handle { file, backing });
+                    match &backing {
+                        Some(b) => {
+                            inode.passthrough += 1;
+                            inode.backing = Some(b.clone());
+                        }
+                        None => inode.plain += 1,
+                    }
+                    // Registered before the kernel learns the handle: its first read may come
+                    // at once, on another thread.
+                    handles.insert(
+                        fh,
+                        Handle {
+                            file,
+                            from_cache,
+                            backing,
+                        },
+                    );
                     let handle = handles.get(&fh).expect("just inserted");
                     // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the
                     // backing file's own page cache serves repeated reads instead.
@@ -226,6 +270,7 @@ impl Filesystem for StageFs {
                         Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
                         None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
                     }
+                    drop(inode);
                 }
                 Err(errno) => reply.error(Errno::from_i32(errno)),
             }),
@@ -235,7 +280,7 @@ impl Filesystem for StageFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -259,11 +304,23 @@ impl Filesystem for StageFs {
                 Err(e) => {
                     log::warn!(
                         "read of {} failed: {e}",
-                        self.data.catalog.relative_path(Self::id(_ino)).display()
+                        self.data.catalog.relative_path(Self::id(ino)).display()
                     );
                     return reply.error(Errno::EIO);
                 }
             }
+        }
+        // Checked after the read: a writer updates the mtime before it writes data, so an
+        // unchanged mtime now means these bytes are the catalogued version's.
+        if !handle.from_cache
+            && let Ok(entry) = self.entry(ino)
+            && !handle.file.metadata().is_ok_and(|m| entry.matches(&m))
+        {
+            log::warn!(
+                "{} changed on the source while open; the reader gets ESTALE (remount to see the new version)",
+                self.data.catalog.relative_path(Self::id(ino)).display()
+            );
+            return reply.error(Errno::ESTALE);
         }
         reply.data(&buf[..filled]);
     }
@@ -271,14 +328,30 @@ impl Filesystem for StageFs {
     fn release(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.handles.remove(&fh.0);
+        if let Some((_, handle)) = self.handles.remove(&fh.0) {
+            let closed = self.opens.get_mut(&ino.0).is_some_and(|mut inode| {
+                if handle.backing.is_some() {
+                    inode.passthrough = inode.passthrough.saturating_sub(1);
+                    if inode.passthrough == 0 {
+                        inode.backing = None;
+                    }
+                } else {
+                    inode.plain = inode.plain.saturating_sub(1);
+                }
+                inode.passthrough == 0 && inode.plain == 0
+            });
+            if closed {
+                self.opens
+                    .remove_if(&ino.0, |_, i| i.passthrough == 0 && i.plain == 0);
+            }
+        }
         reply.ok();
     }
 

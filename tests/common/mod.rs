@@ -159,3 +159,16 @@ pub fn image_folder(root: &Path, n: u32, classes: u32, min: usize, max: usize) -
     }
     paths
 }
+
+/// The value of extended attribute `name` of `path` (`getfattr --only-values -n`), or None if
+/// it cannot be read.
+pub fn xattr(path: &Path, name: &str) -> Option<String> {
+    let out = Command::new("getfattr")
+        .args(["--only-values", "-n", name])
+        .arg(path)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
