@@ -48,7 +48,7 @@ pub struct MountedDataset {
 struct Handle {
     file: File,
     /// Kept until release: the kernel reads the cache file directly while it lives.
-    _backing: Option<BackingId>,
+    backing: Option<BackingId>,
 }
 
 pub struct StageFs {
@@ -215,13 +215,15 @@ impl Filesystem for StageFs {
                     } else {
                         None
                     };
+                    // Registered before the open is answered: the kernel may send a read for
+                    // it the moment it is, on another FUSE thread.
+                    let handle = handles.entry(fh).insert(Handle { file, backing }).downgrade();
                     // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the
                     // backing file's own page cache serves repeated reads instead.
-                    match &backing {
+                    match &handle.backing {
                         Some(b) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
                         None => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
                     }
-                    handles.insert(fh, Handle { file, _backing: backing });
                 }
                 Err(errno) => reply.error(Errno::from_i32(errno)),
             }),
