@@ -287,7 +287,7 @@ impl Attrs {
             mode: m.mode(),
             uid: m.uid(),
             gid: m.gid(),
-            size: (!m.is_dir()).then(|| m.len()),
+            size: (!m.is_dir()).then_some(m.len()),
             mtime: (m.mtime(), m.mtime_nsec()),
         }
     }
