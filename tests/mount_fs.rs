@@ -821,9 +821,14 @@ fn assert_ended(m: &TestMount, pid: i32) {
     assert!(!is_mounted(&m.mnt), "{} still mounted", m.mnt.display());
     assert_eq!(daemon_pids(&m.mnt), Vec::<i32>::new());
     assert!(
-        m.log_text().contains("unmounted"),
+        finished_cleanly(&m.log_text(), &m.mnt),
         "the daemon did not finish cleanly"
     );
+}
+
+/// The daemon's last word after it stopped its FUSE session and its stager.
+fn finished_cleanly(log: &str, mnt: &Path) -> bool {
+    log.contains(&format!("unmounted {}\n", mnt.display()))
 }
 
 #[test]
@@ -838,7 +843,7 @@ fn unmount_leaves_no_mount_and_no_daemon() {
         "stagefs unmount returned while daemon {pid} still runs"
     );
     assert_eq!(daemon_pids(&mnt), Vec::<i32>::new());
-    assert!(fs::read_to_string(log).unwrap().contains("unmounted"));
+    assert!(finished_cleanly(&fs::read_to_string(log).unwrap(), &mnt));
 }
 
 #[test]
