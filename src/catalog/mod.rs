@@ -71,11 +71,13 @@ impl Entry {
     }
 
     pub fn mtime(&self) -> SystemTime {
-        let since_epoch = Duration::new(self.mtime_secs.unsigned_abs(), self.mtime_nanos);
+        // As in struct stat, the nanoseconds count forward from the (possibly negative) seconds:
+        // (-2, 250_000_000) is 1.75 s before the epoch.
+        let nanos = Duration::from_nanos(self.mtime_nanos.into());
         if self.mtime_secs >= 0 {
-            UNIX_EPOCH + since_epoch
+            UNIX_EPOCH + Duration::from_secs(self.mtime_secs as u64) + nanos
         } else {
-            UNIX_EPOCH - since_epoch
+            UNIX_EPOCH - Duration::from_secs(self.mtime_secs.unsigned_abs()) + nanos
         }
     }
 }

@@ -25,6 +25,7 @@ use super::{LayoutArgs, SamplerArgs};
 use crate::cache::{CacheDir, index_path};
 use crate::catalog::{Catalog, IndexError, Layout, index};
 use crate::fs::{MountedDataset, StageFs};
+use crate::order::SamplerConfig;
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, Stager, StagerSettings};
 use crate::stats::Counters;
@@ -222,6 +223,8 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         .and_then(|v| v.parse().ok());
     if !args.foreground && ready_fd.is_none() {
         check_paths(&args)?;
+        // The daemon creates its log (in CACHE by default) before it checks anything.
+        parse_options(&args)?;
         return spawn_daemon(&args);
     }
     init_logging(&args, ready_fd.is_some())?;
@@ -556,10 +559,19 @@ fn load_catalog(
         .map_err(|e| e.to_string())
 }
 
-/// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
-pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
-    check_paths(args)?;
+/// The option values, checked as far as they can be without the dataset.
+struct Options {
+    sampler: SamplerConfig,
+    ranks: Vec<u32>,
+    cache_size: Option<u64>,
+    lookahead: Option<Lookahead>,
+    read_through_above: u64,
+}
+
+/// Parses and checks the option values; touches nothing.
+fn parse_options(args: &MountArgs) -> Result<Options, String> {
     let (sampler, ranks) = args.sampler.config().map_err(|e| e.to_string())?;
+    sampler.validate_ranks(&ranks).map_err(|e| e.to_string())?;
     let cache_size = args
         .cache_size
         .as_deref()
@@ -580,6 +592,25 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     if args.window == 0 {
         return Err("--window must be at least 1".into());
     }
+    Ok(Options {
+        sampler,
+        ranks,
+        cache_size,
+        lookahead,
+        read_through_above,
+    })
+}
+
+/// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
+pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
+    check_paths(args)?;
+    let Options {
+        sampler,
+        ranks,
+        cache_size,
+        lookahead,
+        read_through_above,
+    } = parse_options(args)?;
     let source = fs::canonicalize(&args.source)
         .map_err(|e| format!("source {}: {e}", args.source.display()))?;
 

@@ -179,21 +179,7 @@ impl SamplerConfig {
 
     /// Checks the settings against a dataset of `len` samples read by `ranks`.
     pub fn validate(&self, len: u64, ranks: &[u32]) -> Result<(), OrderError> {
-        let world = self.world_size;
-        if world == 0 {
-            return Err(OrderError::WorldSizeZero);
-        }
-        if ranks.is_empty() {
-            return Err(OrderError::NoRanks);
-        }
-        if let Some(&rank) = ranks.iter().find(|&&r| r >= world) {
-            return Err(OrderError::RankOutOfRange { rank, world });
-        }
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(OrderError::DuplicateRank(w[0]));
-        }
+        self.validate_ranks(ranks)?;
         if !self.predicts() {
             return Ok(());
         }
@@ -211,6 +197,26 @@ impl SamplerConfig {
             SamplerKind::List => self.check_list(len),
             SamplerKind::Sequential | SamplerKind::None => Ok(()),
         }
+    }
+
+    /// The part of [`validate`](Self::validate) that needs no dataset: world size and ranks.
+    pub fn validate_ranks(&self, ranks: &[u32]) -> Result<(), OrderError> {
+        let world = self.world_size;
+        if world == 0 {
+            return Err(OrderError::WorldSizeZero);
+        }
+        if ranks.is_empty() {
+            return Err(OrderError::NoRanks);
+        }
+        if let Some(&rank) = ranks.iter().find(|&&r| r >= world) {
+            return Err(OrderError::RankOutOfRange { rank, world });
+        }
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(OrderError::DuplicateRank(w[0]));
+        }
+        Ok(())
     }
 
     fn check_torch(&self, since: TorchVersion) -> Result<(), OrderError> {

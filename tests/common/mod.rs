@@ -81,17 +81,20 @@ impl TestMount {
 
     /// The mount's statistics, as `getfattr -n user.stagefs.stats` gives them.
     pub fn stats(&self) -> serde_json::Value {
-        let out = Command::new("getfattr")
-            .args(["--only-values", "-n", "user.stagefs.stats"])
-            .arg(&self.mnt)
-            .output()
-            .expect("run getfattr (apt-get install attr)");
-        assert!(
-            out.status.success(),
-            "getfattr: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("stats JSON")
+        serde_json::from_slice(&self.getfattr(&self.mnt, "user.stagefs.stats")).expect("stats JSON")
+    }
+
+    /// Attribute `name` of `path` (in this mount), as `getfattr --only-values -n NAME` prints it.
+    pub fn getfattr(&self, path: &Path, name: &str) -> Vec<u8> {
+        getfattr(path, name).unwrap_or_else(|e| panic!("getfattr {name} {}: {e}", path.display()))
+    }
+
+    /// The daemon's pid, as the mount reports it (`user.stagefs.pid`).
+    pub fn daemon_pid(&self) -> i32 {
+        let pid = self.getfattr(&self.mnt, "user.stagefs.pid");
+        String::from_utf8_lossy(&pid)
+            .parse()
+            .expect("user.stagefs.pid is a number")
     }
 
     pub fn stat(&self, key: &str) -> u64 {
@@ -118,6 +121,14 @@ impl TestMount {
 
 impl Drop for TestMount {
     fn drop(&mut self) {
+        // A failing test unwinds through here: show what the daemon said.
+        if std::thread::panicking() {
+            eprintln!(
+                "--- daemon log {} ---\n{}--- end of log ---",
+                self.log.display(),
+                self.log_text()
+            );
+        }
         if self.mounted {
             let _ = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
         }
@@ -126,12 +137,61 @@ impl Drop for TestMount {
 
 /// Whether `path` is listed as a mount point in /proc/self/mountinfo.
 pub fn is_mounted(path: &Path) -> bool {
+    mount_count(path) > 0
+}
+
+/// How many mounts are stacked on `path` according to /proc/self/mountinfo.
+pub fn mount_count(path: &Path) -> usize {
     let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .any(|p| Path::new(p) == abs)
+        .filter(|p| Path::new(p) == abs)
+        .count()
+}
+
+/// Pids of live `stagefs mount` processes whose command line names `mountpoint` (the daemon
+/// re-executes with the arguments it was given, so this finds it without asking the mount).
+pub fn daemon_pids(mountpoint: &Path) -> Vec<i32> {
+    let wanted = mountpoint.as_os_str().as_encoded_bytes();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            args.get(1) == Some(&&b"mount"[..]) && args.contains(&wanted) && process_alive(pid)
+        })
+        .collect()
+}
+
+/// Whether `pid` exists and is not a zombie (an exited daemon nobody reaped yet counts as gone).
+pub fn process_alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the parenthesised command name, which may itself contain spaces.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, None | Some('Z') | Some('X'))
+}
+
+/// Polls `done` every 20 ms for up to `limit`; returns whether it became true. For waiting on
+/// something asynchronous (a daemon exiting), never for asserting how long it took.
+pub fn wait_for(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Writes `files` (relative path, content) under `root`.
@@ -163,12 +223,21 @@ pub fn image_folder(root: &Path, n: u32, classes: u32, min: usize, max: usize) -
 /// The value of extended attribute `name` of `path` (`getfattr --only-values -n`), or None if
 /// it cannot be read.
 pub fn xattr(path: &Path, name: &str) -> Option<String> {
+    getfattr(path, name)
+        .ok()
+        .map(|v| String::from_utf8_lossy(&v).into_owned())
+}
+
+/// Runs `getfattr --only-values -n NAME PATH`: the value, or getfattr's complaint.
+pub fn getfattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
     let out = Command::new("getfattr")
         .args(["--only-values", "-n", name])
         .arg(path)
         .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        .expect("run getfattr (apt-get install attr)");
+    if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
 }
