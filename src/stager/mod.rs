@@ -40,7 +40,12 @@ pub use source::{LocalSource, Source};
 /// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
 const RETRY_BASE: Duration = Duration::from_millis(100);
 /// Longest pause of the frontier while the source keeps failing.
-const MAX_PAUSE: Duration = Duration::from_secs(10);
+/// Longest pause of the frontier while the source keeps failing: also the longest it takes
+/// staging to notice the source is back.
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+/// Kept free on the cache file system when the capacity grows back after it was full, so the
+/// next copy does not run straight into ENOSPC again.
+const FULL_HEADROOM: u64 = 1 << 20;
 /// How often the sweeper checks waiter deadlines and pause expiry.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
 /// Opens between two resynchronisation attempts while lost.
@@ -300,7 +305,9 @@ impl Inner {
         let path = self.catalog.source_path(file);
         let f = self.source.open(&path).map_err(|e| {
             log::warn!("cannot open {} on the source: {e}", path.display());
-            e.raw_os_error().unwrap_or(libc::EIO)
+            // A listed file that cannot be opened is an I/O problem to the reader (ENOENT
+            // or ENOTCONN from a vanished source would only confuse it).
+            libc::EIO
         })?;
         // The dataset is a snapshot: a file that changed since the mount is not served mixed.
         let entry = self.catalog.entry(file).expect("catalog file");
@@ -786,6 +793,23 @@ impl Inner {
             .sum();
     }
 
+    /// After the cache file system was full, gives back capacity as space frees up (evicted
+    /// files still open elsewhere keep their blocks until closed), up to what was configured.
+    fn regrow_capacity(&self, st: &mut State) {
+        if st.capacity >= self.settings.capacity {
+            return;
+        }
+        if let Ok((free, _)) = self.cache.filesystem_space() {
+            let room = (st.used + st.reserved + free.saturating_sub(FULL_HEADROOM))
+                .min(self.settings.capacity);
+            if room > st.capacity {
+                log::debug!("cache capacity back to {room} bytes");
+                st.capacity = room;
+                self.work.notify_all();
+            }
+        }
+    }
+
     /// Answers readers that waited too long and wakes the workers when a pause ends.
     fn sweeper(self: Arc<Self>) {
         while !self.shutdown.load(Ordering::SeqCst) {
@@ -813,6 +837,7 @@ impl Inner {
                     }
                 }
                 st.waiters.retain(|_, l| !l.is_empty());
+                self.regrow_capacity(&mut st);
                 if st.paused_until.is_some_and(|t| Instant::now() >= t) {
                     st.paused_until = None;
                     self.work.notify_all();
