@@ -11,12 +11,18 @@ pub fn bin() -> PathBuf {
 
 /// Runs `stagefs ARGS`, returning its output.
 pub fn stagefs(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run stagefs")
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("run stagefs")
 }
 
 /// Mount tests need root (or a FUSE-enabled user with fusermount3); CI runs as root.
 pub fn require_fuse() {
-    assert!(Path::new("/dev/fuse").exists(), "/dev/fuse is missing: these tests mount FUSE file systems");
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: these tests mount FUSE file systems"
+    );
     // SAFETY: no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     assert!(
@@ -56,26 +62,32 @@ impl TestMount {
             log.display().to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let out = Command::new(bin()).args(&args).env("RUST_LOG", "info").output().expect("run stagefs mount");
+        let out = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .output()
+            .expect("run stagefs mount");
         if !out.status.success() {
             return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
         }
-        Ok(TestMount { source: source.to_path_buf(), mnt, cache, log, mounted: true })
+        Ok(TestMount {
+            source: source.to_path_buf(),
+            mnt,
+            cache,
+            log,
+            mounted: true,
+        })
     }
 
     /// The mount's statistics, as `getfattr -n user.stagefs.stats` gives them.
     pub fn stats(&self) -> serde_json::Value {
-        let out = Command::new("getfattr")
-            .args(["--only-values", "-n", "user.stagefs.stats"])
-            .arg(&self.mnt)
-            .output()
-            .expect("run getfattr (apt-get install attr)");
-        assert!(out.status.success(), "getfattr: {}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).expect("stats JSON")
+        stats_at(&self.mnt)
     }
 
     pub fn stat(&self, key: &str) -> u64 {
-        self.stats()[key].as_u64().unwrap_or_else(|| panic!("stats has no integer {key}"))
+        self.stats()[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("stats has no integer {key}"))
     }
 
     /// The daemon's log so far (for assertions on messages and for failure output).
@@ -86,7 +98,11 @@ impl TestMount {
     pub fn unmount(mut self) {
         self.mounted = false;
         let out = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
-        assert!(out.status.success(), "unmount: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "unmount: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -96,6 +112,28 @@ impl Drop for TestMount {
             let _ = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
         }
     }
+}
+
+/// The value of extended attribute `name` of `path`, read with `getfattr` as a user would.
+pub fn getfattr(path: &Path, name: &str) -> Vec<u8> {
+    let out = Command::new("getfattr")
+        .args(["--only-values", "-n", name])
+        .arg(path)
+        .output()
+        .expect("run getfattr (apt-get install attr)");
+    assert!(
+        out.status.success(),
+        "getfattr {name} {}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// The statistics of the stagefs mount at `mnt` (`user.stagefs.stats`), for mounts made
+/// without [`TestMount`] (scripts, mount(8)).
+pub fn stats_at(mnt: &Path) -> serde_json::Value {
+    serde_json::from_slice(&getfattr(mnt, "user.stagefs.stats")).expect("stats JSON")
 }
 
 /// Whether `path` is listed as a mount point in /proc/self/mountinfo.
