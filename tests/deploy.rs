@@ -215,19 +215,94 @@ def got(*_):
     os.kill(os.getpid(), sig)
 if sig != signal.SIGINT:
     signal.signal(sig, got)
-pid = os.getxattr(mnt, "user.stagefs.pid").decode()
-open(pidfile + ".tmp", "w").write(pid); os.rename(pidfile + ".tmp", pidfile)
 try:
+    pid = os.getxattr(mnt, "user.stagefs.pid").decode()
+    open(pidfile + ".tmp", "w").write(pid); os.rename(pidfile + ".tmp", pidfile)
     time.sleep(120)
 except KeyboardInterrupt:
     got()
 "#;
 
+/// Paths of one signal-test run under `work`.
+struct SleeperRun {
+    mnt: PathBuf,
+    pidfile: PathBuf,
+    marker: PathBuf,
+    script: PathBuf,
+}
+
+impl SleeperRun {
+    fn new(work: &Path) -> SleeperRun {
+        fs::create_dir_all(work).unwrap();
+        let script = work.join("sleeper.py");
+        fs::write(&script, SLEEPER).unwrap();
+        SleeperRun {
+            mnt: work.join("mnt"),
+            pidfile: work.join("daemon.pid"),
+            marker: work.join("marker"),
+            script,
+        }
+    }
+
+    /// The command stagefs-run runs: the sleeper, waiting for signal `name`.
+    fn command(&self, name: &str) -> Vec<String> {
+        [PYTHON, self.script.to_str().unwrap(), name]
+            .into_iter()
+            .map(str::to_string)
+            .chain([&self.pidfile, &self.marker, &self.mnt].map(|p| p.display().to_string()))
+            .collect()
+    }
+
+    /// Waits until the sleeper runs under the mount; returns the daemon's pid.
+    fn wait_ready(&self, child: &mut Child, stderr: &Path) -> i32 {
+        wait_until("the command under stagefs-run to start", || {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "exited early with {status}: {}",
+                    fs::read_to_string(stderr).unwrap_or_default()
+                );
+            }
+            self.pidfile.exists()
+        });
+        fs::read_to_string(&self.pidfile).unwrap().parse().unwrap()
+    }
+
+    /// After the run: the command got the signal, the mount is gone, the daemon exited.
+    fn assert_cleaned_up(&self, daemon: i32, what: &str) {
+        assert_eq!(
+            fs::read_to_string(&self.marker).ok().as_deref(),
+            Some("got"),
+            "{what}: the command did not get the signal"
+        );
+        assert!(!is_mounted(&self.mnt), "{what}: still mounted");
+        assert_daemon_exits(daemon);
+    }
+}
+
+/// Makes SIGINT and SIGQUIT default in a child, as a terminal or srun would start it: the test
+/// harness may itself have been started with them ignored, and bash cannot trap a signal that
+/// was ignored when it started.
+fn default_interrupt_signals(cmd: &mut Command) {
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+}
+
 /// `stagefs-run SOURCE MNT --cache .. --log-file .. -- COMMAND`, with its output in files
 /// under `work` (pipes could fill up while we wait) and the stagefs binary given by $STAGEFS.
-/// SIGINT and SIGQUIT are reset to their defaults for it, as a terminal or srun would start it:
-/// the test harness may itself have been started with them ignored.
-fn spawn_run(work: &Path, source: &Path, mnt: &Path, command: &[&str]) -> Child {
+/// It runs in its own process group, as under srun or a service manager (not in a terminal's
+/// foreground group, where Ctrl-C would reach the command directly).
+fn spawn_run<S: AsRef<std::ffi::OsStr>>(
+    work: &Path,
+    source: &Path,
+    mnt: &Path,
+    command: &[S],
+) -> Child {
     let out = fs::File::create(work.join("run.out")).unwrap();
     let err = fs::File::create(work.join("run.err")).unwrap();
     let mut cmd = Command::new(script("stagefs-run"));
@@ -242,15 +317,9 @@ fn spawn_run(work: &Path, source: &Path, mnt: &Path, command: &[&str]) -> Child 
         .env("STAGEFS", bin())
         .stdin(Stdio::null())
         .stdout(out)
-        .stderr(err);
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::signal(libc::SIGINT, libc::SIG_DFL);
-            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
-            Ok(())
-        });
-    }
+        .stderr(err)
+        .process_group(0);
+    default_interrupt_signals(&mut cmd);
     cmd.spawn().expect("run stagefs-run")
 }
 
@@ -386,40 +455,14 @@ fn stagefs_run_forwards_signals_and_cleans_up() {
         (libc::SIGHUP, "SIGHUP"),
     ] {
         let work = tmp.path().join(name);
-        fs::create_dir_all(&work).unwrap();
-        let mnt = work.join("mnt");
-        let (pidfile, marker) = (work.join("daemon.pid"), work.join("marker"));
+        let run = SleeperRun::new(&work);
         let mut guard = Guard::default();
-        guard.mount(&mnt);
-        let child = spawn_run(
-            &work,
-            &source,
-            &mnt,
-            &[
-                PYTHON,
-                "-c",
-                SLEEPER,
-                name,
-                pidfile.to_str().unwrap(),
-                marker.to_str().unwrap(),
-                mnt.to_str().unwrap(),
-            ],
-        );
-        guard.children.push(child);
+        guard.mount(&run.mnt);
+        guard
+            .children
+            .push(spawn_run(&work, &source, &run.mnt, &run.command(name)));
         let child = guard.children.last_mut().unwrap();
-        wait_until(
-            &format!("the command under stagefs-run to start ({name})"),
-            || {
-                if let Some(status) = child.try_wait().unwrap() {
-                    panic!(
-                        "stagefs-run exited early with {status}: {}",
-                        run_output(&work).1
-                    );
-                }
-                pidfile.exists()
-            },
-        );
-        let daemon: i32 = fs::read_to_string(&pidfile).unwrap().parse().unwrap();
+        let daemon = run.wait_ready(child, &work.join("run.err"));
         // SAFETY: plain kill(2) on our own child.
         assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
         let status = wait_deadline(child, "stagefs-run after a signal");
@@ -429,14 +472,55 @@ fn stagefs_run_forwards_signals_and_cleans_up() {
             Some(128 + sig),
             "{name}: stagefs-run status; stderr:\n{stderr}"
         );
-        assert_eq!(
-            fs::read_to_string(&marker).ok().as_deref(),
-            Some("got"),
-            "{name} did not reach the command"
-        );
-        assert!(!is_mounted(&mnt), "{name}: still mounted");
-        assert_daemon_exits(daemon);
+        run.assert_cleaned_up(daemon, name);
     }
+}
+
+#[test]
+fn stagefs_run_stops_on_ctrl_c_at_a_terminal() {
+    // script(1) gives stagefs-run a terminal whose foreground process group it shares with the
+    // command; a ^C typed into it is the terminal's SIGINT to both.
+    let tmp = TempDir::new().unwrap();
+    let source = tmp.path().join("src");
+    image_folder(&source, 10, 2, 100, 1000);
+    let work = tmp.path().join("tty");
+    let run = SleeperRun::new(&work);
+    let mut guard = Guard::default();
+    guard.mount(&run.mnt);
+    let line = format!(
+        "{} {} {} --cache {} -- {}; echo \"stagefs-run status $?\"",
+        script("stagefs-run").display(),
+        source.display(),
+        run.mnt.display(),
+        work.join("cache").display(),
+        run.command("SIGINT").join(" ")
+    );
+    let log = work.join("script.out");
+    let mut cmd = Command::new("script");
+    cmd.args(["-q", "-e", "-c", &line, "/dev/null"])
+        .env("STAGEFS", bin())
+        .stdin(Stdio::piped())
+        .stdout(fs::File::create(&log).unwrap())
+        .stderr(Stdio::null());
+    default_interrupt_signals(&mut cmd);
+    guard
+        .children
+        .push(cmd.spawn().expect("run script (util-linux)"));
+    let child = guard.children.last_mut().unwrap();
+    let daemon = run.wait_ready(child, &log);
+    // Kept open until the end: script(1) may end the session when its input closes.
+    let mut keyboard = child.stdin.take().unwrap();
+    std::io::Write::write_all(&mut keyboard, b"\x03").unwrap();
+    // script(1)'s own status is not stagefs-run's (it differs between util-linux versions).
+    wait_deadline(child, "stagefs-run after ^C");
+    let output = fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        output.contains("stagefs-run status 130"),
+        "output:\n{output}"
+    );
+    assert!(output.contains("final statistics"), "output:\n{output}");
+    run.assert_cleaned_up(daemon, "^C");
+    drop(keyboard);
 }
 
 #[test]
