@@ -1,7 +1,7 @@
 //! The cluster deployment scripts in `mount-scripts/` (issue #7), run for real against the
 //! real binary: `stagefs-run` around a Python reader (exit status, signals, busy
-//! mountpoints), the Slurm prolog/epilog under a faked Slurm environment (two "nodes" on this
-//! machine), the fstab helper through util-linux `mount -T`, the systemd unit through
+//! mountpoints, Ctrl-C at a terminal), the Slurm prolog/epilog under a faked Slurm environment
+//! (two "nodes" on this machine), the sbatch example under stub srun/torchrun, the fstab helper through util-linux `mount -T`, the systemd unit through
 //! `systemd-analyze verify`, `install.sh` into a staging root, and shellcheck over all of it.
 //!
 //! Every mount a test makes is registered with a [`Guard`], which unmounts it (and kills the
@@ -837,6 +837,107 @@ fn slurm_prolog_failures_leave_nothing_and_drain_only_when_asked() {
         "expected {denied:?} (stagefs running as nobody) in: {stderr}"
     );
     assert!(!is_mounted(&draining.mnt(&job_c, 0)) && !draining.mnt(&job_c, 0).exists());
+}
+
+/// Writes an executable script.
+fn write_executable(path: &Path, body: &str) {
+    fs::write(path, body).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[test]
+fn sbatch_example_runs_one_stagefs_per_node_with_its_ranks() {
+    // The batch script itself, with the real stagefs-run, under stubs: `srun` runs its command
+    // once per node, one node after the other, with that node's SLURM_NODEID; `torchrun`
+    // records its arguments and the command line of the daemon serving --data.
+    let slurm = FakeSlurm::new("");
+    let root = slurm.root();
+    let stubs = root.join("bin");
+    write_executable(
+        &stubs.join("srun"),
+        "#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\nstatus=0\n\
+         for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do\n\
+           SLURM_NODEID=$i SLURM_NNODES=$SLURM_JOB_NUM_NODES \"$@\" || status=$?\n\
+         done\nexit $status\n",
+    );
+    let torchrun = format!(
+        "#!{PYTHON}\nimport json, os, sys\nargs = sys.argv[1:]\ndata = args[args.index('--data') + 1]\n\
+         pid = os.getxattr(data, 'user.stagefs.pid').decode()\n\
+         daemon = open('/proc/%s/cmdline' % pid).read().split(chr(0))\n\
+         out = os.path.join(os.environ['RECORD'], os.environ['SLURM_NODEID'])\n\
+         open(out, 'w').write(json.dumps({{'torchrun': args, 'daemon': daemon}}))\n"
+    );
+    write_executable(&stubs.join("torchrun"), &torchrun);
+    let record = root.join("record");
+    fs::create_dir_all(&record).unwrap();
+    let job = job_id(5);
+    let (mnt, cache) = (root.join("job-mnt"), root.join("job-cache"));
+    let mut guard = Guard::default();
+    guard.mount(&mnt);
+    let path = format!(
+        "{}:{}:/usr/bin:/bin",
+        stubs.display(),
+        scripts_dir().display()
+    );
+    let mut child = Command::new("bash")
+        .arg(script("slurm-example.sbatch"))
+        .env_clear()
+        .env("PATH", path)
+        .env("STAGEFS", bin())
+        .env("RECORD", &record)
+        .env("SLURM_JOB_ID", &job)
+        .env("SLURM_JOB_NUM_NODES", "2")
+        .env("SLURM_JOB_NODELIST", "gpu[01-02]")
+        .env("DATASET", &slurm.source)
+        .env("GPUS_PER_NODE", "2")
+        .env("MOUNT", &mnt)
+        .env("CACHE", &cache)
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(root.join("job.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let status = wait_deadline(&mut child, "slurm-example.sbatch");
+    let stderr = fs::read_to_string(root.join("job.err")).unwrap();
+    assert!(status.success(), "the batch script failed: {stderr}");
+    for node in 0..2u32 {
+        let raw = fs::read_to_string(record.join(node.to_string()))
+            .unwrap_or_else(|_| panic!("torchrun did not run on node {node}: {stderr}"));
+        let seen: serde_json::Value = serde_json::from_str(&raw).unwrap();
+        let list = |key: &str| -> Vec<String> {
+            seen[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect()
+        };
+        let (torchrun, daemon) = (list("torchrun"), list("daemon"));
+        for arg in [
+            format!("--node_rank={node}"),
+            "--nnodes=2".into(),
+            "--nproc_per_node=2".into(),
+            "--master_addr=gpu01".into(),
+        ] {
+            assert!(
+                torchrun.contains(&arg),
+                "node {node}: no {arg} in torchrun {torchrun:?}"
+            );
+        }
+        assert!(has_option(&torchrun, "--seed", "42"), "{torchrun:?}");
+        let ranks = format!("{}-{}", 2 * node, 2 * node + 1);
+        for (flag, value) in [
+            ("--ranks", ranks.as_str()),
+            ("--world-size", "4"),
+            ("--seed", "42"),
+        ] {
+            assert!(
+                has_option(&daemon, flag, value),
+                "node {node}: no {flag} {value} in {daemon:?}"
+            );
+        }
+    }
+    assert!(!is_mounted(&mnt), "the example left its mount");
+    assert!(!cache.exists(), "the example left its cache");
 }
 
 #[test]
