@@ -476,51 +476,125 @@ fn stagefs_run_forwards_signals_and_cleans_up() {
     }
 }
 
+/// stagefs-run under script(1), which gives it a terminal whose foreground process group it
+/// shares with its command: a ^C typed into it is the terminal's SIGINT to both.
+struct TerminalRun {
+    child: Child,
+    keyboard: std::process::ChildStdin,
+    output: PathBuf,
+}
+
+impl TerminalRun {
+    fn start(guard: &mut Guard, work: &Path, source: &Path, run: &SleeperRun) -> TerminalRun {
+        let line = format!(
+            "{} {} {} --cache {} --log-file {} -- {}; echo \"stagefs-run status $?\"",
+            script("stagefs-run").display(),
+            source.display(),
+            run.mnt.display(),
+            work.join("cache").display(),
+            work.join("stagefs.log").display(),
+            run.command("SIGINT").join(" ")
+        );
+        let output = work.join("script.out");
+        let mut cmd = Command::new("script");
+        cmd.args(["-q", "-e", "-c", &line, "/dev/null"])
+            .env("STAGEFS", bin())
+            .stdin(Stdio::piped())
+            .stdout(fs::File::create(&output).unwrap())
+            .stderr(Stdio::null());
+        default_interrupt_signals(&mut cmd);
+        guard.mount(&run.mnt);
+        let mut child = cmd.spawn().expect("run script (util-linux)");
+        // Kept open until the end: script(1) may end the session when its input closes.
+        let keyboard = child.stdin.take().unwrap();
+        TerminalRun {
+            child,
+            keyboard,
+            output,
+        }
+    }
+
+    fn type_ctrl_c(&mut self) {
+        std::io::Write::write_all(&mut self.keyboard, b"\x03").unwrap();
+    }
+
+    /// Waits for the end; returns what the terminal showed. script(1)'s own status is not
+    /// stagefs-run's (it differs between util-linux versions): the line echoes that.
+    fn finish(mut self) -> String {
+        wait_deadline(&mut self.child, "stagefs-run after ^C");
+        fs::read_to_string(&self.output).unwrap_or_default()
+    }
+}
+
 #[test]
 fn stagefs_run_stops_on_ctrl_c_at_a_terminal() {
-    // script(1) gives stagefs-run a terminal whose foreground process group it shares with the
-    // command; a ^C typed into it is the terminal's SIGINT to both.
     let tmp = TempDir::new().unwrap();
     let source = tmp.path().join("src");
     image_folder(&source, 10, 2, 100, 1000);
     let work = tmp.path().join("tty");
     let run = SleeperRun::new(&work);
     let mut guard = Guard::default();
-    guard.mount(&run.mnt);
-    let line = format!(
-        "{} {} {} --cache {} -- {}; echo \"stagefs-run status $?\"",
-        script("stagefs-run").display(),
-        source.display(),
-        run.mnt.display(),
-        work.join("cache").display(),
-        run.command("SIGINT").join(" ")
-    );
-    let log = work.join("script.out");
-    let mut cmd = Command::new("script");
-    cmd.args(["-q", "-e", "-c", &line, "/dev/null"])
-        .env("STAGEFS", bin())
-        .stdin(Stdio::piped())
-        .stdout(fs::File::create(&log).unwrap())
-        .stderr(Stdio::null());
-    default_interrupt_signals(&mut cmd);
-    guard
-        .children
-        .push(cmd.spawn().expect("run script (util-linux)"));
-    let child = guard.children.last_mut().unwrap();
-    let daemon = run.wait_ready(child, &log);
-    // Kept open until the end: script(1) may end the session when its input closes.
-    let mut keyboard = child.stdin.take().unwrap();
-    std::io::Write::write_all(&mut keyboard, b"\x03").unwrap();
-    // script(1)'s own status is not stagefs-run's (it differs between util-linux versions).
-    wait_deadline(child, "stagefs-run after ^C");
-    let output = fs::read_to_string(&log).unwrap_or_default();
+    let mut term = TerminalRun::start(&mut guard, &work, &source, &run);
+    let daemon = run.wait_ready(&mut term.child, &term.output);
+    term.type_ctrl_c();
+    let output = term.finish();
     assert!(
         output.contains("stagefs-run status 130"),
         "output:\n{output}"
     );
     assert!(output.contains("final statistics"), "output:\n{output}");
     run.assert_cleaned_up(daemon, "^C");
-    drop(keyboard);
+}
+
+/// Pids of stagefs daemons whose command line names `mnt`.
+fn daemons_for(mnt: &Path) -> Vec<i32> {
+    let want = mnt.display().to_string();
+    fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let args: Vec<String> = fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|raw| raw.split(|&b| b == 0).map(text).collect())
+                .unwrap_or_default();
+            args.iter().any(|a| a == "mount") && args.contains(&want)
+        })
+        .collect()
+}
+
+#[test]
+fn stagefs_run_ctrl_c_while_mounting_leaves_no_mount() {
+    // A source large enough that its scan takes a while; ^C as soon as the daemon has started
+    // (its log exists). Killing the `stagefs mount` that waits for the daemon would leave the
+    // daemon to finish mounting with no one to unmount it; stagefs-run must instead let the
+    // mount finish, remove it and exit 130. If the ^C comes too late to land in the scan, the
+    // command gets it instead, with the same outcome.
+    let tmp = TempDir::new().unwrap();
+    let source = tmp.path().join("src");
+    image_folder(&source, 30_000, 100, 1, 2);
+    let work = tmp.path().join("tty");
+    let run = SleeperRun::new(&work);
+    let mut guard = Guard::default();
+    let mut term = TerminalRun::start(&mut guard, &work, &source, &run);
+    let log = work.join("stagefs.log");
+    wait_until("the daemon to start", || log.exists());
+    term.type_ctrl_c();
+    let output = term.finish();
+    assert!(
+        output.contains("stagefs-run status 130"),
+        "output:\n{output}"
+    );
+    eprintln!(
+        "^C landed {}",
+        if output.contains("while mounting") {
+            "during the mount"
+        } else {
+            "after it"
+        }
+    );
+    for pid in daemons_for(&run.mnt) {
+        assert_daemon_exits(pid);
+    }
+    assert!(!is_mounted(&run.mnt), "a mount was left behind:\n{output}");
 }
 
 #[test]
