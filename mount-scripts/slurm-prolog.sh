@@ -68,11 +68,13 @@ set -uo pipefail
 created=()     # directories this run made, parents first
 cache_made=""  # the cache directory, if this run made it
 give_back=""   # the mountpoint's owner before this run, to restore
+state_written="" # the state file for the epilog exists
 # Reports an error, removes what this run created, and exits as ON_FAILURE says.
 fail() {
   warn "job ${SLURM_JOB_ID:-?}: $*; no dataset mounted"
   [ -z "$cache_made" ] || rm -rf --one-file-system -- "$cache_made"
   [ -z "$give_back" ] || chown "$give_back" -- "$mnt"
+  [ -z "$state_written" ] || rm -f -- "$state"
   local i
   for ((i = ${#created[@]} - 1; i >= 0; i--)); do
     rmdir -- "${created[i]}" 2>/dev/null
@@ -219,17 +221,10 @@ if [ ! -d "$cache" ]; then
   new_dir "$cache" 0700 || fail "cannot create cache directory $cache"
 fi
 
-set -f # the options are words, not globs
-# shellcheck disable=SC2086 # OPTIONS are split into words on purpose
-if ! as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
-  --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
-  $site_options $job_options; then
-  fail "stagefs mount $req_SOURCE failed"
-fi
-set +f
-
-# What the epilog needs, written whole or not at all. The epilog removes the cache directory
-# (always: it is the job's) and the directories this run created, if empty.
+# What the epilog needs, written whole or not at all, and before mounting: if slurmd kills
+# the prolog (PrologEpilogTimeout) during a long scan, the daemon still finishes mounting, and
+# the epilog must know about it. The epilog removes the cache directory (always: it is the
+# job's) and the directories this run created, if empty.
 write_state() {
   {
     printf 'MOUNTPOINT=%s\n' "$mnt"
@@ -239,8 +234,16 @@ write_state() {
     printf 'MOUNTPOINT_MADE=%s\nCACHE_PARENT_MADE=%s\n' "$mnt_made" "$cache_parent_made"
   } >"$state.tmp" && mv -f -- "$state.tmp" "$state"
 }
-if ! write_state; then
-  unmount_stagefs "$mnt" as_job_user
-  fail "cannot write $state"
+write_state || fail "cannot write $state"
+state_written=1
+
+set -f # the options are words, not globs
+# shellcheck disable=SC2086 # OPTIONS are split into words on purpose
+if ! as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
+  --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
+  $site_options $job_options; then
+  fail "stagefs mount $req_SOURCE failed"
 fi
+set +f
+
 warn "job $SLURM_JOB_ID: mounted $req_SOURCE at $mnt (node $node: ranks $ranks of $world)"

@@ -879,6 +879,10 @@ fn slurm_prolog_failures_leave_nothing_and_drain_only_when_asked() {
         );
         assert!(!s.mnt(&job_b, 0).exists(), "mountpoint left: {stderr}");
         assert!(!s.cache(&job_b, 0).exists(), "cache left: {stderr}");
+        let states = fs::read_dir(s.root().join("state"))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert_eq!(states, 0, "state file left: {stderr}");
     }
 
     // For another user's job, stagefs runs as that user: a source only root may read is
