@@ -76,16 +76,7 @@ fn dataset_and_mount(work: &Path, extra: &[&str]) -> TestMount {
 
 /// `getfattr --only-values -n NAME PATH`: the value, or getfattr's error message.
 fn getfattr(path: &Path, name: &str) -> Result<String, String> {
-    let out = Command::new("getfattr")
-        .args(["--only-values", "-n", name])
-        .arg(path)
-        .output()
-        .expect("run getfattr (apt-get install attr)");
-    if out.status.success() {
-        Ok(String::from_utf8(out.stdout).expect("utf-8 value"))
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
-    }
+    common::getfattr(path, name).map(|v| String::from_utf8(v).expect("utf-8 value"))
 }
 
 /// `setfattr -n NAME -v VALUE PATH` (`-x NAME` when `value` is None).

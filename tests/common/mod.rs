@@ -81,7 +81,7 @@ impl TestMount {
 
     /// The mount's statistics, as `getfattr -n user.stagefs.stats` gives them.
     pub fn stats(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.getfattr(&self.mnt, "user.stagefs.stats")).expect("stats JSON")
+        stats_at(&self.mnt)
     }
 
     /// Attribute `name` of `path` (in this mount), as `getfattr --only-values -n NAME` prints it.
@@ -133,6 +133,14 @@ impl Drop for TestMount {
             let _ = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
         }
     }
+}
+
+/// The statistics of the stagefs mount at `mnt` (`user.stagefs.stats`), for mounts made
+/// without [`TestMount`] (scripts, mount(8)).
+pub fn stats_at(mnt: &Path) -> serde_json::Value {
+    let raw = getfattr(mnt, "user.stagefs.stats")
+        .unwrap_or_else(|e| panic!("stats of {}: {e}", mnt.display()));
+    serde_json::from_slice(&raw).expect("stats JSON")
 }
 
 /// Whether `path` is listed as a mount point in /proc/self/mountinfo.
