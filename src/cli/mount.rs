@@ -245,8 +245,14 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         args.source.display(),
         args.mountpoint.display()
     );
-    if let Some(mut r) = ready.take() {
-        let _ = writeln!(r, "ready");
+    if let Some(mut r) = ready.take()
+        && writeln!(r, "ready").is_err()
+    {
+        // Whoever ran `stagefs mount` is gone (killed while we started): nobody would ever
+        // unmount this, so do not leave it behind.
+        log::warn!("the command that started this mount is gone; unmounting");
+        started.stop();
+        return Err("the starting command exited before the mount was ready".into());
     }
     let metrics = args.metrics_file.clone().map(|path| {
         crate::stats::MetricsWriter::start(path, started.data.clone(), started.passthrough.clone())

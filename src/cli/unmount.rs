@@ -53,8 +53,18 @@ fn wait_exit(pid: i32) {
 
 fn detach(mp: &std::path::Path, dead: bool) -> Result<(), String> {
     let mut last_error = String::new();
-    if let Some(fusermount) = which("fusermount3") {
-        match Command::new(fusermount).arg("-u").arg(mp).output() {
+    // SAFETY: no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    // As root, umount(8) also drops the mount's line from libmount's utab (fstab mounts made
+    // with the mount helper have one); otherwise fusermount3 is what may unmount.
+    let helpers: &[(&str, &[&str])] = if root && !dead {
+        &[("umount", &[]), ("fusermount3", &["-u"])]
+    } else {
+        &[("fusermount3", &["-u"])]
+    };
+    for (tool, flags) in helpers {
+        let Some(path) = which(tool) else { continue };
+        match Command::new(path).args(*flags).arg(mp).output() {
             Ok(out) if out.status.success() => return wait_gone(mp),
             Ok(out) => last_error = String::from_utf8_lossy(&out.stderr).trim().to_string(),
             Err(e) => last_error = e.to_string(),
