@@ -133,6 +133,30 @@ impl StageFs {
         }
     }
 
+    /// Directory `ino` from `offset` on, as (id, offset to resume after it, name). Offsets:
+    /// 1 = ".", 2 = "..", 3.. = the children in catalog order, so a listing that the kernel
+    /// continues in several calls resumes exactly where it stopped.
+    fn listing(
+        &self,
+        ino: INodeNo,
+        offset: u64,
+    ) -> Result<impl Iterator<Item = (FileId, u64, &OsStr)> + '_, Errno> {
+        let dir = Self::id(ino);
+        let e = self.entry(ino)?;
+        if e.kind != Kind::Directory {
+            return Err(Errno::ENOTDIR);
+        }
+        let catalog = &self.data.catalog;
+        let dots = [(dir, OsStr::new(".")), (e.parent, OsStr::new(".."))];
+        let children = catalog.children(dir).map(move |id| (id, catalog.name(id)));
+        Ok(dots
+            .into_iter()
+            .chain(children)
+            .enumerate()
+            .skip(offset as usize)
+            .map(|(i, (id, name))| (id, i as u64 + 1, name)))
+    }
+
     pub fn snapshot(data: &MountedDataset, passthrough: bool) -> Snapshot {
         Snapshot::take(
             &data.counters,
@@ -399,27 +423,20 @@ impl Filesystem for StageFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let dir = Self::id(ino);
-        let Ok(e) = self.entry(ino) else {
-            return reply.error(Errno::ENOENT);
-        };
-        let catalog = &self.data.catalog;
-        let kids = catalog.children(dir);
-        // Offsets: 1 = ".", 2 = "..", 3.. = children; the offset of an entry is where to resume after it.
-        let dots = [(Self::ino(dir), "."), (Self::ino(e.parent), "..")];
-        for (i, (ino, name)) in dots.iter().enumerate().skip(offset as usize) {
-            if reply.add(*ino, i as u64 + 1, FileType::Directory, name) {
-                return reply.ok();
+        match self.listing(ino, offset) {
+            Ok(entries) => {
+                for (id, next, name) in entries {
+                    let kind = self
+                        .attr(id, self.data.catalog.entry(id).expect("listed"))
+                        .kind;
+                    if reply.add(Self::ino(id), next, kind, name) {
+                        break;
+                    }
+                }
+                reply.ok();
             }
+            Err(err) => reply.error(err),
         }
-        let skip = offset.saturating_sub(2) as usize;
-        for (i, id) in kids.clone().enumerate().skip(skip) {
-            let kind = self.attr(id, catalog.entry(id).expect("child")).kind;
-            if reply.add(Self::ino(id), i as u64 + 3, kind, catalog.name(id)) {
-                break;
-            }
-        }
-        reply.ok();
     }
 
     fn readdirplus(
@@ -430,40 +447,18 @@ impl Filesystem for StageFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let dir = Self::id(ino);
-        let Ok(e) = self.entry(ino) else {
-            return reply.error(Errno::ENOENT);
-        };
-        let catalog = &self.data.catalog;
-        let dots = [(dir, "."), (e.parent, "..")];
-        for (i, (id, name)) in dots.iter().enumerate().skip(offset as usize) {
-            let attr = self.attr(*id, catalog.entry(*id).expect("dir"));
-            if reply.add(
-                Self::ino(*id),
-                i as u64 + 1,
-                name,
-                &TTL,
-                &attr,
-                Generation(0),
-            ) {
-                return reply.ok();
+        match self.listing(ino, offset) {
+            Ok(entries) => {
+                for (id, next, name) in entries {
+                    let attr = self.attr(id, self.data.catalog.entry(id).expect("listed"));
+                    if reply.add(Self::ino(id), next, name, &TTL, &attr, Generation(0)) {
+                        break;
+                    }
+                }
+                reply.ok();
             }
+            Err(err) => reply.error(err),
         }
-        let skip = offset.saturating_sub(2) as usize;
-        for (i, id) in catalog.children(dir).enumerate().skip(skip) {
-            let attr = self.attr(id, catalog.entry(id).expect("child"));
-            if reply.add(
-                Self::ino(id),
-                i as u64 + 3,
-                catalog.name(id),
-                &TTL,
-                &attr,
-                Generation(0),
-            ) {
-                break;
-            }
-        }
-        reply.ok();
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
