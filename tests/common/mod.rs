@@ -142,7 +142,8 @@ pub fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
     let n = std::ffi::CString::new(name).ok()?;
     let mut buf = vec![0u8; 64 * 1024];
     // SAFETY: valid C strings and a buffer of the stated length.
-    let len = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let len =
+        unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     if len < 0 {
         return None;
     }
