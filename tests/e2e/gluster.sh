@@ -7,6 +7,9 @@
 #   gluster.sh down NAME BRICKS_DIR MOUNTPOINT
 #   gluster.sh stop-daemon          (stops glusterd if no volume is left; optional)
 #
+# GLUSTER_MOUNT_OPTIONS, if set, is passed to `mount -o` (e.g. direct-io-mode=enable: no
+# client-side page cache, as when the dataset is much larger than the node's memory).
+#
 # Needs root and glusterfs-server. Both verbs are idempotent and safe on a half set-up
 # volume: `up` finishes what is missing, `down` removes whatever exists (mount, volume,
 # bricks) and fails only if something could not be removed.
@@ -108,7 +111,8 @@ up() {
     # The bricks may need a moment after `volume start` before a client can attach.
     local ok=0
     for _ in $(seq 1 20); do
-      if mount -t glusterfs "127.0.0.1:/$name" "$mnt" 2>/dev/null && is_mounted "$mnt"; then
+      if mount -t glusterfs ${GLUSTER_MOUNT_OPTIONS:+-o "$GLUSTER_MOUNT_OPTIONS"} "127.0.0.1:/$name" "$mnt" 2>/dev/null &&
+        is_mounted "$mnt"; then
         ok=1
         break
       fi
