@@ -365,6 +365,20 @@ fn run_both(
     })
 }
 
+/// Asserts two index orders are equal, naming the first difference instead of printing both.
+fn same_order(what: &str, got: &[String], want: &[String]) {
+    if let Some(i) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) {
+        let window = |v: &[String]| v[i.min(v.len())..(i + 8).min(v.len())].join(",");
+        panic!(
+            "{what}: orders differ at position {i} of {}/{}: {} vs {}",
+            got.len(),
+            want.len(),
+            window(got),
+            window(want)
+        );
+    }
+}
+
 /// The checks every mounted run must pass against its direct twin and the prediction.
 fn check_run(
     what: &str,
@@ -373,13 +387,15 @@ fn check_run(
     seen: &Observed,
     predicted: &[String],
 ) {
-    assert_eq!(
-        direct_order, predicted,
-        "{what}: the real loader's order differs from `stagefs order`"
+    same_order(
+        &format!("{what}: the real loader vs `stagefs order`"),
+        direct_order,
+        predicted,
     );
-    assert_eq!(
-        seen.order, direct_order,
-        "{what}: order through the mount differs from the direct read"
+    same_order(
+        &format!("{what}: through the mount vs direct"),
+        &seen.order,
+        direct_order,
     );
     for (e, (d, m)) in direct.iter().zip(&seen.lines).enumerate() {
         assert_eq!(
