@@ -29,6 +29,7 @@ set -euo pipefail
 
 BRICK_HOST="${GLUSTER_BRICK_HOST:-127.0.0.2}"
 PIDFILE=/run/glusterd.pid
+LOCKFILE=/run/lock/stagefs-glusterd.lock
 
 die() {
   echo "gluster.sh: $*" >&2
@@ -51,14 +52,18 @@ glusterd_answers() {
 ensure_glusterd() {
   glusterd_answers && return 0
   command -v glusterd >/dev/null || die "glusterd not found (apt-get install glusterfs-server)"
-  # Another caller may be starting it at the same moment: a second glusterd exits at once
-  # because the port is taken, which is fine.
-  glusterd -p "$PIDFILE" || true
-  for _ in $(seq 1 60); do
-    glusterd_answers && return 0
-    sleep 0.5
-  done
-  die "glusterd does not answer (see /var/log/glusterfs/glusterd.log)"
+  # Tests set volumes up in parallel: one caller starts glusterd, the others wait for it.
+  (
+    flock 9
+    glusterd_answers && exit 0
+    # Not holding the lock (fd 9) nor our output: it outlives us. Its log is in /var/log/glusterfs.
+    glusterd -p "$PIDFILE" </dev/null >/dev/null 2>&1 9>&- || true
+    for _ in $(seq 1 60); do
+      glusterd_answers && exit 0
+      sleep 0.5
+    done
+    exit 1
+  ) 9>"$LOCKFILE" || die "glusterd does not answer (see /var/log/glusterfs/glusterd.log)"
 }
 
 # gl ARGS...: `gluster --mode=script ARGS`, retried while glusterd is busy with another
