@@ -228,12 +228,27 @@ pub fn image_folder(root: &Path, n: u32, classes: u32, min: usize, max: usize) -
     paths
 }
 
+/// Extended attribute `name` of `path` (not following a final symlink), or None if it has
+/// none; for per-file attributes such as `user.stagefs.state` without a process per file.
+pub fn lgetxattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let p = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let n = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 64 * 1024];
+    // SAFETY: valid C strings and a buffer of the stated length.
+    let len =
+        unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if len < 0 {
+        return None;
+    }
+    buf.truncate(len as usize);
+    Some(buf)
+}
+
 /// The value of extended attribute `name` of `path` (`getfattr --only-values -n`), or None if
 /// it cannot be read.
 pub fn xattr(path: &Path, name: &str) -> Option<String> {
-    getfattr(path, name)
-        .ok()
-        .map(|v| String::from_utf8_lossy(&v).into_owned())
+    lgetxattr(path, name).map(|v| String::from_utf8_lossy(&v).into_owned())
 }
 
 /// Runs `getfattr --only-values -n NAME PATH`: the value, or getfattr's complaint.

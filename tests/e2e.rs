@@ -1,0 +1,688 @@
+//! End to end over a real distributed file system: unmodified training scripts
+//! (`tests/e2e/*.py`: PyTorch DistributedSampler, PyTorch shuffled DataLoader, a Chainer-style
+//! numpy loop) read a synthetic ImageFolder dataset on a GlusterFS volume (several bricks on
+//! loopback, `tests/e2e/gluster.sh`) once directly and once through a stagefs mount over the
+//! GlusterFS mount, at the same time. They must read the same samples in the same order, and
+//! that order must be the one `stagefs order` predicts; the mount must never mispredict and
+//! must have the files staged before they are opened.
+//!
+//! Per-epoch hit ratios need the mount's counters at epoch boundaries, which the scripts know
+//! nothing about. They run all epochs in one process (as a job does, so torch's and numpy's
+//! generators advance exactly as in a real run) with `--step`: after each epoch they print
+//! the epoch's JSON line and wait for a line on stdin. The test reads the counters there and
+//! lets them go on. No assertion is on a duration: the checks are counts, bytes, orders and
+//! checksums (the epoch-0 hit ratio depends on the stager keeping ahead of a reader that
+//! computes between batches, with a wide margin).
+//!
+//! Needs root, FUSE, glusterfs-server and Debian's python3-torch / python3-torchvision (the
+//! scripts run under /usr/bin/python3, where apt puts torch).
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// Debian's interpreter: torch and torchvision come from apt, not from a PATH python.
+const PYTHON: &str = "/usr/bin/python3";
+/// A job that has not finished by then is killed (a hung read must fail the test, not CI).
+const JOB_DEADLINE: Duration = Duration::from_secs(240);
+/// Simulated compute per batch: 50 ms per 16 samples caps a reader at 320 samples/s (about
+/// 33 MB/s here), which leaves the stager room to keep ahead in epoch 0 even on a loaded
+/// machine; it also has the scripts' start-up (importing torch takes seconds) to get ahead.
+const COMPUTE_MS: &str = "50";
+const BATCH: &str = "16";
+const EPOCHS: usize = 2;
+
+fn e2e_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e")
+}
+
+/// A GlusterFS volume for one test, mounted at `mnt`; stopped, deleted and its bricks removed
+/// on drop, whatever state it got to.
+struct Volume {
+    name: String,
+    bricks: PathBuf,
+    mnt: PathBuf,
+}
+
+impl Volume {
+    fn up(work: &Path, bricks: u32) -> Volume {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "stagefs_e2e_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        let v = Volume {
+            name,
+            bricks: work.join("bricks"),
+            mnt: work.join("gluster"),
+        };
+        let out = v.script("up", &[&bricks.to_string()]);
+        assert!(
+            out.status.success(),
+            "gluster.sh up {}: {}",
+            v.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        v
+    }
+
+    fn script(&self, verb: &str, extra: &[&str]) -> std::process::Output {
+        Command::new(e2e_dir().join("gluster.sh"))
+            .arg(verb)
+            .arg(&self.name)
+            .arg(&self.bricks)
+            .arg(&self.mnt)
+            .args(extra)
+            .output()
+            .expect("run tests/e2e/gluster.sh")
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        let out = self.script("down", &[]);
+        if !out.status.success() {
+            eprintln!(
+                "gluster.sh down {}: {}",
+                self.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
+/// A synthetic ImageFolder dataset of real JPEG files, written through the GlusterFS mount.
+struct Dataset {
+    root: PathBuf,
+    /// Relative path → size, for every sample file.
+    files: BTreeMap<String, u64>,
+}
+
+impl Dataset {
+    fn make(root: &Path, files: u32, classes: u32) -> Dataset {
+        let out = Command::new(PYTHON)
+            .arg(e2e_dir().join("common.py"))
+            .args([
+                "make-dataset",
+                root.to_str().unwrap(),
+                "--files",
+                &files.to_string(),
+            ])
+            .args([
+                "--classes",
+                &classes.to_string(),
+                "--min-kb",
+                "10",
+                "--max-kb",
+                "200",
+            ])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .expect("run common.py make-dataset");
+        assert!(
+            out.status.success(),
+            "make-dataset: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut map = BTreeMap::new();
+        for class in std::fs::read_dir(root).unwrap() {
+            let class = class.unwrap();
+            for f in std::fs::read_dir(class.path()).unwrap() {
+                let f = f.unwrap();
+                let rel = format!(
+                    "{}/{}",
+                    class.file_name().to_str().unwrap(),
+                    f.file_name().to_str().unwrap()
+                );
+                map.insert(rel, f.metadata().unwrap().len());
+            }
+        }
+        assert_eq!(map.len(), files as usize, "files on the volume");
+        Dataset {
+            root: root.to_path_buf(),
+            files: map,
+        }
+    }
+
+    fn bytes<'a>(&self, files: impl IntoIterator<Item = &'a String>) -> u64 {
+        files.into_iter().map(|f| self.files[f]).sum()
+    }
+}
+
+/// `stagefs order` for `sampler` over the dataset: indices (or paths), epoch after epoch.
+fn predicted(source: &Path, sampler: &[&str], epochs: usize, paths: bool) -> Vec<String> {
+    let mut args = vec!["order", "--source", source.to_str().unwrap()];
+    args.extend_from_slice(sampler);
+    let epochs = epochs.to_string();
+    args.extend_from_slice(&["--epochs", &epochs]);
+    if paths {
+        args.push("--paths");
+    }
+    let out = stagefs(&args);
+    assert!(
+        out.status.success(),
+        "stagefs order: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// One run of a training script, killed if it outlives the test or [`JOB_DEADLINE`].
+struct Job {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    name: String,
+    stderr: PathBuf,
+    order: PathBuf,
+    started: Instant,
+}
+
+impl Job {
+    fn spawn(work: &Path, name: &str, script: &str, root: &Path, args: &[&str]) -> Job {
+        let stderr = work.join(format!("{name}.stderr"));
+        let order = work.join(format!("{name}.order"));
+        let mut child = Command::new(PYTHON)
+            .arg(e2e_dir().join(script))
+            .arg(root)
+            .args([
+                "--epochs",
+                &EPOCHS.to_string(),
+                "--batch-size",
+                BATCH,
+                "--compute-ms",
+                COMPUTE_MS,
+                "--step",
+            ])
+            .arg("--order-out")
+            .arg(&order)
+            .args(args)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("OMP_NUM_THREADS", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("run /usr/bin/python3 (apt-get install python3-torch python3-torchvision)");
+        let stdin = child.stdin.take();
+        Job {
+            child,
+            stdin,
+            name: name.to_string(),
+            stderr,
+            order,
+            started: Instant::now(),
+        }
+    }
+
+    /// Runs the job to its end, calling `at_epoch_end` with each epoch's JSON line while the
+    /// script waits; returns the lines and the order it read in.
+    fn finish(mut self, mut at_epoch_end: impl FnMut(&Value)) -> (Vec<Value>, Vec<String>) {
+        let deadline = self.started + JOB_DEADLINE;
+        let mut lines = Vec::new();
+        {
+            // Reading stdout blocks: a watchdog kills the child at the deadline. It is joined
+            // before the child is reaped, so it never signals a recycled pid.
+            let _watchdog = Watchdog::start(self.child.id(), deadline);
+            for line in BufReader::new(self.child.stdout.take().unwrap()).lines() {
+                let line = line.unwrap();
+                let value: Value = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| panic!("{}: bad line {line:?}: {e}", self.name));
+                at_epoch_end(&value);
+                lines.push(value);
+                if let Some(stdin) = self.stdin.as_mut() {
+                    // The last epoch does not wait: the pipe may be closed by then.
+                    let _ = stdin.write_all(b"\n").and_then(|_| stdin.flush());
+                }
+            }
+        }
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let stderr = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        assert!(
+            status.success(),
+            "{} failed ({status}) after {:.0?}:\n{stderr}",
+            self.name,
+            self.started.elapsed()
+        );
+        assert_eq!(lines.len(), EPOCHS, "{}: epoch lines\n{stderr}", self.name);
+        let order = std::fs::read_to_string(&self.order)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        (lines, order)
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Kills process `pid` if it is still running at `deadline`; stops watching when dropped.
+struct Watchdog {
+    done: std::sync::mpsc::Sender<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    fn start(pid: u32, deadline: Instant) -> Watchdog {
+        let (done, stop) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(left) {
+                // SAFETY: plain kill(2); the owner has not reaped the child while we run.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        });
+        Watchdog {
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.done.send(());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What a run through a mount saw, epoch by epoch: the script's lines, its order and the
+/// mount's counters before the job and after each epoch.
+struct Observed {
+    lines: Vec<Value>,
+    order: Vec<String>,
+    stats: Vec<Value>,
+}
+
+impl Observed {
+    fn delta(&self, epoch: usize, key: &str) -> u64 {
+        let at = |i: usize| self.stats[i][key].as_u64().unwrap();
+        at(epoch + 1) - at(epoch)
+    }
+
+    fn hit_ratio(&self, epoch: usize) -> f64 {
+        let (hits, misses) = (self.delta(epoch, "hits"), self.delta(epoch, "misses"));
+        hits as f64 / (hits + misses).max(1) as f64
+    }
+}
+
+/// Runs `script` directly on `source` and through `mount` at the same time; `at_epoch_end` is
+/// called on the mounted run's epoch boundaries after the counters are read.
+fn run_both(
+    work: &Path,
+    name: &str,
+    script: &str,
+    source: &Path,
+    mount: &TestMount,
+    args: &[&str],
+    mut at_epoch_end: impl FnMut(usize, &TestMount),
+) -> (Vec<Value>, Vec<String>, Observed) {
+    let direct = Job::spawn(work, &format!("{name}-direct"), script, source, args);
+    let mut stats = vec![mount.stats()];
+    let through = Job::spawn(work, &format!("{name}-stagefs"), script, &mount.mnt, args);
+    std::thread::scope(|s| {
+        let direct = s.spawn(|| direct.finish(|_| {}));
+        let (lines, order) = through.finish(|line| {
+            stats.push(mount.stats());
+            at_epoch_end(line["epoch"].as_u64().unwrap() as usize, mount);
+        });
+        let (dlines, dorder) = direct.join().expect("direct run");
+        (
+            dlines,
+            dorder,
+            Observed {
+                lines,
+                order,
+                stats,
+            },
+        )
+    })
+}
+
+/// Asserts two index orders are equal, naming the first difference instead of printing both.
+fn same_order(what: &str, got: &[String], want: &[String]) {
+    if let Some(i) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) {
+        let window = |v: &[String]| v[i.min(v.len())..(i + 8).min(v.len())].join(",");
+        panic!(
+            "{what}: orders differ at position {i} of {}/{}: {} vs {}",
+            got.len(),
+            want.len(),
+            window(got),
+            window(want)
+        );
+    }
+}
+
+/// The checks every mounted run must pass against its direct twin and the prediction.
+fn check_run(
+    what: &str,
+    direct: &[Value],
+    direct_order: &[String],
+    seen: &Observed,
+    predicted: &[String],
+) {
+    same_order(
+        &format!("{what}: the real loader vs `stagefs order`"),
+        direct_order,
+        predicted,
+    );
+    same_order(
+        &format!("{what}: through the mount vs direct"),
+        &seen.order,
+        direct_order,
+    );
+    for (e, (d, m)) in direct.iter().zip(&seen.lines).enumerate() {
+        assert_eq!(
+            m["checksum"], d["checksum"],
+            "{what} epoch {e}: checksum through the mount"
+        );
+        assert_eq!(m["samples"], d["samples"], "{what} epoch {e}: samples");
+        assert_eq!(m["bytes"], d["bytes"], "{what} epoch {e}: bytes");
+        // Each sample is one open() of its file by the loader: every one went through the mount.
+        let opens = seen.delta(e, "hits") + seen.delta(e, "misses");
+        assert_eq!(
+            opens,
+            m["samples"].as_u64().unwrap(),
+            "{what} epoch {e}: opens through the mount"
+        );
+        let (ratio, want) = (seen.hit_ratio(e), if e == 0 { 0.95 } else { 0.999 });
+        assert!(
+            ratio >= want,
+            "{what} epoch {e}: hit ratio {ratio:.4} < {want}; stats {}",
+            seen.stats[e + 1]
+        );
+    }
+    let last = seen.stats.last().unwrap();
+    assert_eq!(
+        last["mispredictions"], 0,
+        "{what}: mispredictions; stats {last}"
+    );
+    assert_eq!(last["errors"], 0, "{what}: errors; stats {last}");
+    eprintln!(
+        "{what}: hit ratio per epoch {:?}; direct wall {:?} s, through stagefs {:?} s",
+        (0..EPOCHS)
+            .map(|e| format!("{:.4}", seen.hit_ratio(e)))
+            .collect::<Vec<_>>(),
+        direct
+            .iter()
+            .map(|l| l["wall_s"].as_f64().unwrap())
+            .collect::<Vec<_>>(),
+        seen.lines
+            .iter()
+            .map(|l| l["wall_s"].as_f64().unwrap())
+            .collect::<Vec<_>>(),
+    );
+}
+
+/// One script, one node: GlusterFS volume, dataset, direct and mounted runs, all the checks.
+fn single_node(script: &str, sampler: &[&str], script_args: &[&str], files: u32) {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let volume = Volume::up(work.path(), 3);
+    let data = Dataset::make(&volume.mnt.join("train"), files, 10);
+    let mount = TestMount::new(&data.root, &work.path().join("node"), sampler);
+    let (direct, direct_order, seen) = run_both(
+        work.path(),
+        "job",
+        script,
+        &data.root,
+        &mount,
+        script_args,
+        |_, _| {},
+    );
+    let predicted = predicted(&data.root, sampler, EPOCHS, false);
+    check_run(script, &direct, &direct_order, &seen, &predicted);
+    mount.unmount();
+    drop(volume);
+}
+
+#[test]
+fn torch_distributed_sampler_through_gluster() {
+    // Rank 1 of 2, 401 files: the rank's share is half the set and DistributedSampler pads.
+    let sampler = [
+        "--sampler",
+        "torch-distributed",
+        "--seed",
+        "17",
+        "--world-size",
+        "2",
+        "--rank",
+        "1",
+    ];
+    single_node(
+        "train_distributed.py",
+        &sampler,
+        &["--seed", "17", "--world-size", "2", "--rank", "1"],
+        401,
+    );
+}
+
+#[test]
+fn torch_shuffled_loader_through_gluster() {
+    // The loader's own generator; files decoded as images, as torchvision's loader would.
+    let sampler = ["--sampler", "torch-random", "--seed", "29"];
+    single_node(
+        "train_random.py",
+        &sampler,
+        &["--seed", "29", "--decode"],
+        300,
+    );
+}
+
+#[test]
+fn chainer_style_numpy_loop_through_gluster() {
+    let sampler = ["--sampler", "numpy-legacy", "--seed", "4242"];
+    single_node("train_chainer_style.py", &sampler, &["--seed", "4242"], 400);
+}
+
+/// The `user.stagefs.state` of every dataset file as the mount reports it: the cached set.
+fn cached_files(mount: &TestMount, data: &Dataset) -> BTreeSet<String> {
+    data.files
+        .keys()
+        .filter(|rel| {
+            lgetxattr(&mount.mnt.join(rel), "user.stagefs.state").as_deref()
+                == Some(b"cached".as_slice())
+        })
+        .cloned()
+        .collect()
+}
+
+/// After a node's epoch 0: the cached set and the counters, taken when they agree (the stager
+/// may still be copying files of the next epochs; it stops at the end of epoch 2).
+fn settled(mount: &TestMount, data: &Dataset) -> (BTreeSet<String>, Value) {
+    for _ in 0..300 {
+        let before = mount.stats();
+        let cached = cached_files(mount, data);
+        let after = mount.stats();
+        let same = |k: &str| before[k] == after[k];
+        if same("staged_files")
+            && same("source_bytes")
+            && after["staged_files"] == cached.len() as u64
+        {
+            return (cached, after);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("the cache never matched its counters: {}", mount.stats());
+}
+
+#[test]
+fn four_nodes_each_stage_their_share_from_gluster() {
+    const W: u32 = 4;
+    const SEED: &str = "3";
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let volume = Volume::up(work.path(), 4);
+    // 602 = 4 × 150 + 2: DistributedSampler pads the last ranks with two repeated samples.
+    let data = Dataset::make(&volume.mnt.join("train"), 602, 10);
+    let ranks: Vec<String> = (0..W).map(|r| r.to_string()).collect();
+    let sampler = |r: usize| {
+        [
+            "--sampler",
+            "torch-distributed",
+            "--seed",
+            SEED,
+            "--world-size",
+            "4",
+            "--rank",
+            &ranks[r],
+        ]
+    };
+    let mounts: Vec<TestMount> = (0..W as usize)
+        .map(|r| {
+            TestMount::new(
+                &data.root,
+                &work.path().join(format!("node{r}")),
+                &sampler(r),
+            )
+        })
+        .collect();
+
+    // Each node's predicted share of epochs 0, 1 and 2, as file sets. The stager plans to the
+    // end of the epoch after the reader's: once a node has read epoch 0, its reader stands at
+    // the start of epoch 1 and the stager may be copying files of epochs 1 and 2.
+    let shares: Vec<Vec<BTreeSet<String>>> = (0..W as usize)
+        .map(|r| {
+            let paths = predicted(&data.root, &sampler(r), 3, true);
+            paths
+                .chunks(paths.len() / 3)
+                .map(|c| c.iter().cloned().collect())
+                .collect()
+        })
+        .collect();
+
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..W as usize)
+            .map(|r| {
+                let (mount, data, work, ranks) = (&mounts[r], &data, work.path(), &ranks);
+                s.spawn(move || {
+                    let args = ["--seed", SEED, "--world-size", "4", "--rank", &ranks[r]];
+                    let mut after_epoch0 = None;
+                    let run = run_both(
+                        work,
+                        &format!("rank{r}"),
+                        "train_distributed.py",
+                        &data.root,
+                        mount,
+                        &args,
+                        |e, m| {
+                            if e == 0 {
+                                after_epoch0 = Some(settled(m, data));
+                            }
+                        },
+                    );
+                    (run, after_epoch0.expect("epoch 0 was observed"))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    });
+
+    let mut epoch0_gluster_bytes = 0;
+    for (r, ((direct, direct_order, seen), (cached, stats))) in results.iter().enumerate() {
+        let what = format!("rank {r} of {W}");
+        let predicted = predicted(&data.root, &sampler(r), EPOCHS, false);
+        check_run(&what, direct, direct_order, seen, &predicted);
+        let share0 = &shares[r][0];
+        // The node staged its epoch-0 share and, ahead, only files of its next shares: nothing
+        // of the other ranks' data, and each file read from GlusterFS once.
+        assert!(
+            share0.is_subset(cached),
+            "{what}: epoch-0 share not all staged"
+        );
+        let foreign: Vec<_> = cached
+            .iter()
+            .filter(|f| !shares[r].iter().any(|share| share.contains(*f)))
+            .collect();
+        assert!(
+            foreign.is_empty(),
+            "{what}: staged files outside its shares: {foreign:?}"
+        );
+        assert_eq!(stats["evictions"], 0, "{what}");
+        assert_eq!(
+            stats["source_bytes"],
+            data.bytes(cached),
+            "{what}: bytes read from GlusterFS vs staged files"
+        );
+        epoch0_gluster_bytes += data.bytes(share0);
+        eprintln!(
+            "{what}: epoch-0 share {} files / {} bytes; staged by the end of epoch 0: {} files, {} bytes from GlusterFS",
+            share0.len(),
+            data.bytes(share0),
+            cached.len(),
+            stats["source_bytes"]
+        );
+    }
+    // Together the four nodes read the whole dataset from GlusterFS for epoch 0, once: the only
+    // excess is the files DistributedSampler repeats to pad the last ranks, when they land in
+    // another rank's share than their first occurrence.
+    let all: BTreeSet<String> = data.files.keys().cloned().collect();
+    let union: BTreeSet<String> = shares.iter().flat_map(|s| s[0].iter().cloned()).collect();
+    assert_eq!(union, all, "the epoch-0 shares cover the dataset");
+    let total = data.bytes(&all);
+    let mut counted: BTreeMap<&String, u32> = BTreeMap::new();
+    for s in &shares {
+        for f in &s[0] {
+            *counted.entry(f).or_default() += 1;
+        }
+    }
+    let repeated: Vec<_> = counted
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(f, n)| (*f, *n))
+        .collect();
+    let padding = (W as usize * (all.len().div_ceil(W as usize))) - all.len();
+    assert!(
+        repeated
+            .iter()
+            .map(|(_, n)| (n - 1) as usize)
+            .sum::<usize>()
+            <= padding,
+        "{repeated:?}"
+    );
+    let excess: u64 = repeated
+        .iter()
+        .map(|(f, n)| data.files[*f] * u64::from(n - 1))
+        .sum();
+    assert_eq!(
+        epoch0_gluster_bytes,
+        total + excess,
+        "epoch-0 bytes from GlusterFS over the four nodes"
+    );
+    eprintln!(
+        "four nodes, epoch 0: {epoch0_gluster_bytes} bytes from GlusterFS for a {total}-byte dataset ({excess} bytes of padding repeats)"
+    );
+    for m in mounts {
+        m.unmount();
+    }
+    drop(volume);
+}

@@ -1,0 +1,42 @@
+"""One rank of a data-parallel PyTorch job, written the way users write it: torchvision
+ImageFolder, DistributedSampler with set_epoch each epoch, DataLoader with worker processes.
+
+num_replicas and rank are passed explicitly, so no process group is needed: running rank r
+of W is exactly what rank r reads in a W-rank job. Prints one JSON line per epoch (see
+common.run_epochs).
+
+    python3 train_distributed.py ROOT --world-size W --rank R [--seed S] [--epochs E]
+        [--batch-size B] [--workers N] [--compute-ms MS] [--decode] [--order-out FILE] [--step]
+"""
+
+from torch.utils.data import DataLoader, DistributedSampler
+from torchvision.datasets import ImageFolder
+
+import common
+
+
+def main():
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    args = p.parse_args()
+
+    ds = common.Indexed(ImageFolder(args.root, loader=common.file_loader(args.decode)))
+    sampler = DistributedSampler(ds, num_replicas=args.world_size, rank=args.rank, seed=args.seed)
+    loader = DataLoader(
+        ds,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        collate_fn=common.collate_digests,
+    )
+
+    def epoch(e):
+        sampler.set_epoch(e)
+        return loader
+
+    common.run_epochs(args, epoch)
+
+
+if __name__ == "__main__":
+    main()
