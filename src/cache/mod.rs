@@ -58,10 +58,37 @@ pub enum CopyError {
     Cache(io::Error),
 }
 
-#[derive(Serialize, Deserialize)]
-struct Manifest {
-    format: u32,
-    source: PathBuf,
+/// What `stagefs-cache.json` records: which SOURCE the cached files are copies of.
+#[derive(Serialize, Deserialize, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    pub format: u32,
+    pub source: PathBuf,
+}
+
+impl Manifest {
+    /// The manifest of a cache holding copies of `source`.
+    pub fn for_source(source: &Path) -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT,
+            source: source.to_path_buf(),
+        }
+    }
+
+    /// The file's content.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("manifest serializes")
+    }
+
+    /// Reads a manifest as found on disk; anything that is not one (truncated, foreign,
+    /// hand-edited) is `None`, and the cache is then emptied rather than trusted.
+    pub fn parse(bytes: &[u8]) -> Option<Manifest> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// Whether the files of a cache with this manifest may be reused for `source`.
+    pub fn holds(&self, source: &Path) -> bool {
+        self.format == MANIFEST_FORMAT && self.source == source
+    }
 }
 
 pub struct CacheDir {
@@ -117,11 +144,11 @@ impl CacheDir {
         let data = root.join("data");
         let tmp = root.join("tmp");
         let manifest_path = root.join(MANIFEST);
-        let previous: Option<Manifest> = fs::read(&manifest_path)
+        let previous = fs::read(&manifest_path)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+            .and_then(|b| Manifest::parse(&b));
         match previous {
-            Some(m) if m.format == MANIFEST_FORMAT && m.source == source => {}
+            Some(m) if m.holds(source) => {}
             Some(m) => {
                 log::warn!(
                     "cache {} held {} (format {}); emptying it for {}",
@@ -147,11 +174,7 @@ impl CacheDir {
         for byte in 0..=255u8 {
             mkdir_private(&data.join(format!("{byte:02x}")))?;
         }
-        let manifest = serde_json::to_vec_pretty(&Manifest {
-            format: MANIFEST_FORMAT,
-            source: source.to_path_buf(),
-        })
-        .expect("manifest serializes");
+        let manifest = Manifest::for_source(source).to_bytes();
         write_atomically(&manifest_path, &manifest).map_err(io_err(&manifest_path))?;
         Ok(CacheDir {
             root: root.to_path_buf(),

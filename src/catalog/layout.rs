@@ -261,62 +261,77 @@ fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
     out
 }
 
-/// One relative path per line; line i is sample i. Errors carry the 1-based line number.
-fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
-    let mut files = Vec::new();
+/// The lines of a `--list-file` as paths, checked for shape before any lookup: one relative
+/// path per line (line i is sample i), no empty line, nothing absolute, no `..`. A trailing
+/// newline and `\r\n` line ends are accepted. Errors carry the 1-based line number.
+pub fn list_paths(text: &[u8]) -> Result<Vec<&Path>, (usize, String)> {
     let body = text.strip_suffix(b"\n").unwrap_or(text);
     if body.is_empty() {
-        return Ok(files);
+        return Ok(Vec::new());
     }
-    for (i, line) in body.split(|&b| b == b'\n').enumerate() {
-        let line_no = i + 1;
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            return Err((line_no, "empty line (every line must name a file)".into()));
-        }
-        let path = Path::new(OsStr::from_bytes(line));
-        if path.is_absolute() {
-            return Err((
-                line_no,
-                format!(
-                    "'{}' is absolute; paths must be relative to the source",
-                    path.display()
-                ),
-            ));
-        }
-        if path
-            .components()
-            .any(|c| matches!(c, std::path::Component::ParentDir))
-        {
-            return Err((
-                line_no,
-                format!(
-                    "'{}' contains '..'; paths must stay inside the source",
-                    path.display()
-                ),
-            ));
-        }
-        let id = catalog.lookup_path(path).ok_or_else(|| {
-            (
-                line_no,
-                format!("'{}' does not exist in the source", path.display()),
-            )
-        })?;
-        let file = catalog
-            .resolve(id)
-            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
-            .ok_or_else(|| {
-                (
+    body.split(|&b| b == b'\n')
+        .enumerate()
+        .map(|(i, line)| {
+            let line_no = i + 1;
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.is_empty() {
+                return Err((line_no, "empty line (every line must name a file)".into()));
+            }
+            let path = Path::new(OsStr::from_bytes(line));
+            if path.is_absolute() {
+                return Err((
                     line_no,
                     format!(
-                        "'{}' is not a regular file (or a link to one) inside the source",
+                        "'{}' is absolute; paths must be relative to the source",
                         path.display()
                     ),
+                ));
+            }
+            if path
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+            {
+                return Err((
+                    line_no,
+                    format!(
+                        "'{}' contains '..'; paths must stay inside the source",
+                        path.display()
+                    ),
+                ));
+            }
+            Ok(path)
+        })
+        .collect()
+}
+
+/// [`list_paths`], then each path looked up in the catalog: it must name a regular file (or a
+/// link resolving to one inside SOURCE).
+fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
+    list_paths(text)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, path)| {
+            let line_no = i + 1;
+            let id = catalog.lookup_path(path).ok_or_else(|| {
+                (
+                    line_no,
+                    format!("'{}' does not exist in the source", path.display()),
                 )
             })?;
-        files.push(file);
-    }
-    Ok(files)
+            catalog
+                .resolve(id)
+                .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
+                .ok_or_else(|| {
+                    (
+                        line_no,
+                        format!(
+                            "'{}' is not a regular file (or a link to one) inside the source",
+                            path.display()
+                        ),
+                    )
+                })
+        })
+        .collect()
 }
 
 #[cfg(test)]
