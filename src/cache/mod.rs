@@ -62,7 +62,40 @@ pub enum CopyError {
 #[derive(Serialize, Deserialize, Debug, PartialEq, Eq)]
 pub struct Manifest {
     pub format: u32,
+    #[serde(with = "path_bytes")]
     pub source: PathBuf,
+}
+
+/// SOURCE in the manifest: a JSON string when it is UTF-8 (as format 1 has always written
+/// it), otherwise its bytes as an array of numbers. Linux paths are bytes; serde's own
+/// `PathBuf` serialization refuses non-UTF-8 ones.
+mod path_bytes {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        match path.to_str() {
+            Some(text) => s.serialize_str(text),
+            None => s.collect_seq(path.as_os_str().as_bytes()),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Repr {
+        Text(String),
+        Bytes(Vec<u8>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        Ok(match Repr::deserialize(d)? {
+            Repr::Text(text) => PathBuf::from(text),
+            Repr::Bytes(bytes) => PathBuf::from(OsString::from_vec(bytes)),
+        })
+    }
 }
 
 impl Manifest {
@@ -76,7 +109,7 @@ impl Manifest {
 
     /// The file's content.
     pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(self).expect("manifest serializes")
+        serde_json::to_vec_pretty(self).expect("a manifest serializes, whatever its path")
     }
 
     /// Reads a manifest as found on disk; anything that is not one (truncated, foreign,
@@ -370,4 +403,53 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    /// Found by fuzz/cache_manifest: a SOURCE path that is not UTF-8 made `to_bytes` panic,
+    /// so mounting such a source killed the daemon at start.
+    #[test]
+    fn any_source_path_round_trips() {
+        for raw in [&b"/data/set"[..], b"/data/caf\xe9", b"\xac", b"/x/\"q\"\n"] {
+            let source = Path::new(OsStr::from_bytes(raw));
+            let read = Manifest::parse(&Manifest::for_source(source).to_bytes()).unwrap();
+            assert!(read.holds(source), "{source:?}");
+            assert!(!read.holds(&source.join("x")));
+        }
+        // Format 1 as written before: a plain string.
+        let old = br#"{"format": 1, "source": "/data/set"}"#;
+        assert!(Manifest::parse(old).unwrap().holds(Path::new("/data/set")));
+        for junk in [
+            &b""[..],
+            b"{",
+            b"[]",
+            br#"{"format": 1}"#,
+            br#"{"format": -1, "source": "/"}"#,
+        ] {
+            assert_eq!(Manifest::parse(junk), None, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn open_empties_a_cache_of_another_non_utf8_source() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            tmp.path().join(OsStr::from_bytes(b"src\xe9")),
+            tmp.path().join(OsStr::from_bytes(b"src\xe8")),
+        );
+        let root = tmp.path().join("cache");
+        let cache = CacheDir::open(&root, &a).unwrap();
+        let kept = cache.path_for(Path::new("f"));
+        fs::write(&kept, b"x").unwrap();
+        drop(cache);
+        drop(CacheDir::open(&root, &a).unwrap());
+        assert!(kept.exists(), "same source: files kept");
+        drop(CacheDir::open(&root, &b).unwrap());
+        assert!(!kept.exists(), "another source: emptied");
+    }
 }
