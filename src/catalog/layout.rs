@@ -56,6 +56,8 @@ pub enum LayoutError {
     },
     #[error("--layout list needs --list-file FILE (one relative path per line)")]
     ListFileMissing,
+    #[error("--list-file {0} names no file: give one relative path per line")]
+    ListEmpty(PathBuf),
     #[error("layout {0:?} found no samples under the source; check --layout / --extensions")]
     Empty(LayoutKind),
 }
@@ -84,16 +86,11 @@ impl Layout {
             },
             LayoutKind::List => {
                 let path = list_file.ok_or(LayoutError::ListFileMissing)?;
-                let text = std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
-                let files =
-                    parse_list(catalog, &text).map_err(|(line, reason)| LayoutError::ListLine {
-                        path: path.to_path_buf(),
-                        line,
-                        reason,
-                    })?;
+                let text = read_list(path)?;
+                let files = parse_list(catalog, &text).map_err(list_line_error(path))?;
+                if files.is_empty() {
+                    return Err(LayoutError::ListEmpty(path.to_path_buf()));
+                }
                 Layout {
                     files,
                     classes: Vec::new(),
@@ -259,6 +256,32 @@ fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
     with_paths.sort_unstable();
     out.extend(with_paths.into_iter().map(|(_, id)| id));
     out
+}
+
+/// Reads a `--list-file` and checks the shape of its lines ([`list_paths`]), so a bad list is
+/// reported before the scan; whether the paths exist is known only after it.
+pub fn check_list_file(path: &Path) -> Result<(), LayoutError> {
+    let text = read_list(path)?;
+    let paths = list_paths(&text).map_err(list_line_error(path))?;
+    if paths.is_empty() {
+        return Err(LayoutError::ListEmpty(path.to_path_buf()));
+    }
+    Ok(())
+}
+
+fn read_list(path: &Path) -> Result<Vec<u8>, LayoutError> {
+    std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn list_line_error(path: &Path) -> impl FnOnce((usize, String)) -> LayoutError + '_ {
+    move |(line, reason)| LayoutError::ListLine {
+        path: path.to_path_buf(),
+        line,
+        reason,
+    }
 }
 
 /// The lines of a `--list-file` as paths, checked for shape before any lookup: one relative
@@ -428,6 +451,27 @@ mod tests {
             .map(PathBuf::from)
             .collect();
         assert_eq!(paths, want);
+    }
+
+    /// What `stagefs mount` checks before it starts the daemon.
+    #[test]
+    fn list_file_checked_before_the_scan() {
+        let tmp = tempfile::tempdir().unwrap();
+        let list = tmp.path().join("list.txt");
+        for (text, want) in [
+            (&b""[..], "names no file"),
+            (b"\n", "names no file"),
+            (b"a.jpg\n../b.jpg\n", "line 2: '../b.jpg' contains '..'"),
+            (b"a.jpg\r\n\r\n", "line 2: empty line"),
+        ] {
+            fs::write(&list, text).unwrap();
+            let msg = check_list_file(&list).unwrap_err().to_string();
+            assert!(msg.starts_with("--list-file ") && msg.contains(want), "{msg}");
+        }
+        fs::write(&list, b"not/yet/known.jpg\n").unwrap();
+        assert!(check_list_file(&list).is_ok(), "existence is checked after the scan");
+        let msg = check_list_file(&tmp.path().join("nope")).unwrap_err().to_string();
+        assert!(msg.starts_with("cannot read --list-file "), "{msg}");
     }
 
     #[test]

@@ -19,7 +19,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use layout::{DEFAULT_EXTENSIONS, Layout, LayoutKind, list_paths};
+pub use layout::{
+    DEFAULT_EXTENSIONS, Layout, LayoutError, LayoutKind, check_list_file, list_paths,
+};
 pub use scan::ScanError;
 
 /// A catalog node id: index into [`Catalog::entries`]. The root is 0.

@@ -23,8 +23,9 @@ use fuser::{Config, MountOption, SessionACL};
 use super::size::{Lookahead, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::cache::CacheDir;
-use crate::catalog::{Catalog, Layout};
+use crate::catalog::{Catalog, Layout, LayoutError, LayoutKind, check_list_file};
 use crate::fs::{MountedDataset, StageFs};
+use crate::order::SamplerConfig;
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{Stager, StagerSettings};
 use crate::stats::Counters;
@@ -144,6 +145,7 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         .and_then(|v| v.parse().ok());
     if !args.foreground && ready_fd.is_none() {
         check_paths(&args)?;
+        settings(&args)?;
         return spawn_daemon(&args);
     }
     init_logging(&args, ready_fd.is_some())?;
@@ -442,10 +444,24 @@ pub fn which(name: &str) -> Option<PathBuf> {
     })
 }
 
-/// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
-pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
-    check_paths(args)?;
+/// The option values, parsed and checked as far as they can be without the dataset.
+struct Settings {
+    sampler: SamplerConfig,
+    ranks: Vec<u32>,
+    cache_size: Option<u64>,
+    lookahead: Option<Lookahead>,
+    read_through_above: u64,
+}
+
+/// Checks every option value that does not need the scan. The command runs it before it
+/// starts the daemon, so a typo is reported without creating the cache directory (or its log).
+fn settings(args: &MountArgs) -> Result<Settings, String> {
     let (sampler, ranks) = args.sampler.config().map_err(|e| e.to_string())?;
+    // The largest dataset supported: only checks that do not depend on the length can fail
+    // (they run again against the real length after the scan).
+    sampler
+        .validate(1 << 32, &ranks)
+        .map_err(|e| e.to_string())?;
     let cache_size = args
         .cache_size
         .as_deref()
@@ -466,6 +482,31 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     if args.window == 0 {
         return Err("--window must be at least 1".into());
     }
+    if args.layout.layout == LayoutKind::List {
+        let list = args.layout.list_file.as_deref();
+        list.ok_or(LayoutError::ListFileMissing)
+            .and_then(check_list_file)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(Settings {
+        sampler,
+        ranks,
+        cache_size,
+        lookahead,
+        read_through_above,
+    })
+}
+
+/// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
+pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
+    check_paths(args)?;
+    let Settings {
+        sampler,
+        ranks,
+        cache_size,
+        lookahead,
+        read_through_above,
+    } = settings(args)?;
     let source = fs::canonicalize(&args.source)
         .map_err(|e| format!("source {}: {e}", args.source.display()))?;
 
