@@ -148,10 +148,14 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         settings(&args)?;
         return spawn_daemon(&args);
     }
-    init_logging(&args, ready_fd.is_some())?;
     // SAFETY: the fd was created for us by the parent and is owned by this process alone.
     let mut ready = ready_fd.map(|fd| unsafe { fs::File::from_raw_fd(fd) });
-    let started = match start(&args) {
+    // Errors from here on, the log's own included, reach the user through the pipe.
+    let started = init_logging(&args, ready.is_some()).and_then(|()| {
+        log_panics();
+        start(&args)
+    });
+    let started = match started {
         Ok(m) => m,
         Err(message) => {
             if let Some(r) = ready.as_mut() {
@@ -179,6 +183,15 @@ pub fn run(args: MountArgs) -> Result<(), String> {
     started.stop();
     log::info!("unmounted {}", args.mountpoint.display());
     Ok(())
+}
+
+/// A detached daemon's stderr is /dev/null: panics go to the log as well, where they are seen.
+fn log_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        log::error!("{info}");
+        default(info);
+    }));
 }
 
 /// Blocks until SIGTERM/SIGINT/SIGHUP or until the mount goes away (e.g. `fusermount3 -u`).
@@ -226,7 +239,8 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| args.cache.join("stagefs.log"));
         if let Some(dir) = path.parent() {
-            let _ = fs::create_dir_all(dir);
+            fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
         }
         let file = fs::OpenOptions::new()
             .create(true)
