@@ -208,7 +208,8 @@ impl CacheDir {
             mkdir_private(&data.join(format!("{byte:02x}")))?;
         }
         let manifest = Manifest::for_source(source).to_bytes();
-        write_atomically(&manifest_path, &manifest).map_err(io_err(&manifest_path))?;
+        // Private like everything in the cache: it names the dataset.
+        write_atomically(&manifest_path, &manifest, 0o600).map_err(io_err(&manifest_path))?;
         Ok(CacheDir {
             root: root.to_path_buf(),
             data,
@@ -395,10 +396,17 @@ fn remove_tree(path: &Path) -> Result<(), CacheError> {
 }
 
 /// Writes `bytes` to `path` via a temporary file and rename, so readers see the old or the
-/// new content, never a mix.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// new content, never a mix. `mode` is the new file's permission bits (before the umask).
+pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let result = fs::write(&tmp, bytes).and_then(|_| fs::rename(&tmp, path));
+    let result = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|_| fs::rename(&tmp, path));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -432,6 +440,23 @@ mod tests {
             br#"{"format": -1, "source": "/"}"#,
         ] {
             assert_eq!(Manifest::parse(junk), None, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn cache_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("cache");
+        let _cache = CacheDir::open(&root, Path::new("/src")).unwrap();
+        for (name, want) in [
+            ("", 0o700),
+            ("data", 0o700),
+            ("lock", 0o600),
+            (MANIFEST, 0o600),
+        ] {
+            let mode = fs::metadata(root.join(name)).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, want, "{name}: {mode:o}");
         }
     }
 

@@ -8,7 +8,7 @@
 use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -239,12 +239,18 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| args.cache.join("stagefs.log"));
         if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir)
+            // By default the log lives in the cache, which is private (0700) from the start.
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
                 .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
         }
+        // It names the dataset's files: private like the cache.
         let file = fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
         builder.target(env_logger::Target::Pipe(Box::new(file)));

@@ -175,7 +175,7 @@ impl MetricsWriter {
                     &data,
                     passthrough.load(Ordering::Relaxed),
                 ));
-                if let Err(e) = write_atomically(&path, text.as_bytes()) {
+                if let Err(e) = write_atomically(&path, text.as_bytes(), 0o644) {
                     if !warned {
                         log::warn!("cannot write metrics file {}: {e}", path.display());
                         warned = true;
