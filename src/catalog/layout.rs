@@ -466,11 +466,19 @@ mod tests {
         ] {
             fs::write(&list, text).unwrap();
             let msg = check_list_file(&list).unwrap_err().to_string();
-            assert!(msg.starts_with("--list-file ") && msg.contains(want), "{msg}");
+            assert!(
+                msg.starts_with("--list-file ") && msg.contains(want),
+                "{msg}"
+            );
         }
         fs::write(&list, b"not/yet/known.jpg\n").unwrap();
-        assert!(check_list_file(&list).is_ok(), "existence is checked after the scan");
-        let msg = check_list_file(&tmp.path().join("nope")).unwrap_err().to_string();
+        assert!(
+            check_list_file(&list).is_ok(),
+            "existence is checked after the scan"
+        );
+        let msg = check_list_file(&tmp.path().join("nope"))
+            .unwrap_err()
+            .to_string();
         assert!(msg.starts_with("cannot read --list-file "), "{msg}");
     }
 
