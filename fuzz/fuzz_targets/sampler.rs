@@ -81,7 +81,7 @@ fn is_permutation(order: &[u32], len: u64) -> bool {
 /// DistributedSampler's `__iter__`, as torch writes it, from the shuffled `indices`.
 fn torch_share(indices: &[u32], world: u64, rank: u64, drop_last: bool) -> Vec<u32> {
     let n = indices.len() as u64;
-    let num_samples = if drop_last && n % world != 0 {
+    let num_samples = if drop_last && !n.is_multiple_of(world) {
         // math.ceil((n - world) / world): 0 when n < world, the quotient lying in (-1, 0).
         n.saturating_sub(world).div_ceil(world)
     } else {
