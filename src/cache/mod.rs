@@ -61,10 +61,70 @@ pub enum CopyError {
     Cache(io::Error),
 }
 
-#[derive(Serialize, Deserialize)]
-struct Manifest {
-    format: u32,
-    source: PathBuf,
+/// What `stagefs-cache.json` records: which SOURCE the cached files are copies of.
+#[derive(Serialize, Deserialize, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    pub format: u32,
+    #[serde(with = "path_bytes")]
+    pub source: PathBuf,
+}
+
+/// SOURCE in the manifest: a JSON string when it is UTF-8 (as format 1 has always written
+/// it), otherwise its bytes as an array of numbers. Linux paths are bytes; serde's own
+/// `PathBuf` serialization refuses non-UTF-8 ones.
+mod path_bytes {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        match path.to_str() {
+            Some(text) => s.serialize_str(text),
+            None => s.collect_seq(path.as_os_str().as_bytes()),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Repr {
+        Text(String),
+        Bytes(Vec<u8>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        Ok(match Repr::deserialize(d)? {
+            Repr::Text(text) => PathBuf::from(text),
+            Repr::Bytes(bytes) => PathBuf::from(OsString::from_vec(bytes)),
+        })
+    }
+}
+
+impl Manifest {
+    /// The manifest of a cache holding copies of `source`.
+    pub fn for_source(source: &Path) -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT,
+            source: source.to_path_buf(),
+        }
+    }
+
+    /// The file's content.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).expect("a manifest serializes, whatever its path")
+    }
+
+    /// Reads a manifest as found on disk; anything that is not one (truncated, foreign,
+    /// hand-edited) is `None`, and the cache is then emptied rather than trusted.
+    pub fn parse(bytes: &[u8]) -> Option<Manifest> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// Whether the files of a cache with this manifest may be reused for `source`.
+    pub fn holds(&self, source: &Path) -> bool {
+        self.format == MANIFEST_FORMAT && self.source == source
+    }
 }
 
 pub struct CacheDir {
@@ -120,11 +180,11 @@ impl CacheDir {
         let data = root.join("data");
         let tmp = root.join("tmp");
         let manifest_path = root.join(MANIFEST);
-        let previous: Option<Manifest> = fs::read(&manifest_path)
+        let previous = fs::read(&manifest_path)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+            .and_then(|b| Manifest::parse(&b));
         match previous {
-            Some(m) if m.format == MANIFEST_FORMAT && m.source == source => {}
+            Some(m) if m.holds(source) => {}
             Some(m) => {
                 log::warn!(
                     "cache {} held {} (format {}); emptying it for {}",
@@ -150,12 +210,9 @@ impl CacheDir {
         for byte in 0..=255u8 {
             mkdir_private(&data.join(format!("{byte:02x}")))?;
         }
-        let manifest = serde_json::to_vec_pretty(&Manifest {
-            format: MANIFEST_FORMAT,
-            source: source.to_path_buf(),
-        })
-        .expect("manifest serializes");
-        write_atomically(&manifest_path, &manifest).map_err(io_err(&manifest_path))?;
+        let manifest = Manifest::for_source(source).to_bytes();
+        // Private like everything in the cache: it names the dataset.
+        write_atomically(&manifest_path, &manifest, 0o600).map_err(io_err(&manifest_path))?;
         Ok(CacheDir {
             root: root.to_path_buf(),
             data,
@@ -349,12 +406,85 @@ fn remove_tree(path: &Path) -> Result<(), CacheError> {
 }
 
 /// Writes `bytes` to `path` via a temporary file and rename, so readers see the old or the
-/// new content, never a mix.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// new content, never a mix. `mode` is the new file's permission bits (before the umask).
+pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let result = fs::write(&tmp, bytes).and_then(|_| fs::rename(&tmp, path));
+    let result = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|_| fs::rename(&tmp, path));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    /// Found by fuzz/cache_manifest: a SOURCE path that is not UTF-8 made `to_bytes` panic,
+    /// so mounting such a source killed the daemon at start.
+    #[test]
+    fn any_source_path_round_trips() {
+        for raw in [&b"/data/set"[..], b"/data/caf\xe9", b"\xac", b"/x/\"q\"\n"] {
+            let source = Path::new(OsStr::from_bytes(raw));
+            let read = Manifest::parse(&Manifest::for_source(source).to_bytes()).unwrap();
+            assert!(read.holds(source), "{source:?}");
+            assert!(!read.holds(&source.join("x")));
+        }
+        // Format 1 as written before: a plain string.
+        let old = br#"{"format": 1, "source": "/data/set"}"#;
+        assert!(Manifest::parse(old).unwrap().holds(Path::new("/data/set")));
+        for junk in [
+            &b""[..],
+            b"{",
+            b"[]",
+            br#"{"format": 1}"#,
+            br#"{"format": -1, "source": "/"}"#,
+        ] {
+            assert_eq!(Manifest::parse(junk), None, "{junk:?}");
+        }
+    }
+
+    #[test]
+    fn cache_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("cache");
+        let _cache = CacheDir::open(&root, Path::new("/src")).unwrap();
+        for (name, want) in [
+            ("", 0o700),
+            ("data", 0o700),
+            ("lock", 0o600),
+            (MANIFEST, 0o600),
+        ] {
+            let mode = fs::metadata(root.join(name)).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, want, "{name}: {mode:o}");
+        }
+    }
+
+    #[test]
+    fn open_empties_a_cache_of_another_non_utf8_source() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            tmp.path().join(OsStr::from_bytes(b"src\xe9")),
+            tmp.path().join(OsStr::from_bytes(b"src\xe8")),
+        );
+        let root = tmp.path().join("cache");
+        let cache = CacheDir::open(&root, &a).unwrap();
+        let kept = cache.path_for(Path::new("f"));
+        fs::write(&kept, b"x").unwrap();
+        drop(cache);
+        drop(CacheDir::open(&root, &a).unwrap());
+        assert!(kept.exists(), "same source: files kept");
+        drop(CacheDir::open(&root, &b).unwrap());
+        assert!(!kept.exists(), "another source: emptied");
+    }
 }

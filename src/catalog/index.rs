@@ -107,9 +107,11 @@ pub fn encode(catalog: &Catalog) -> Vec<u8> {
 
 /// Writes the index for `catalog` to `path` atomically (temp file + rename).
 pub fn save(catalog: &Catalog, path: &Path) -> Result<(), IndexError> {
-    crate::cache::write_atomically(path, &encode(catalog)).map_err(|source| IndexError::Write {
-        path: path.to_path_buf(),
-        source,
+    crate::cache::write_atomically(path, &encode(catalog), 0o600).map_err(|source| {
+        IndexError::Write {
+            path: path.to_path_buf(),
+            source,
+        }
     })
 }
 

@@ -56,6 +56,8 @@ pub enum LayoutError {
     },
     #[error("--layout list needs --list-file FILE (one relative path per line)")]
     ListFileMissing,
+    #[error("--list-file {0} names no file: give one relative path per line")]
+    ListEmpty(PathBuf),
     #[error("layout {0:?} found no samples under the source; check --layout / --extensions")]
     Empty(LayoutKind),
 }
@@ -84,16 +86,11 @@ impl Layout {
             },
             LayoutKind::List => {
                 let path = list_file.ok_or(LayoutError::ListFileMissing)?;
-                let text = std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
-                let files =
-                    parse_list(catalog, &text).map_err(|(line, reason)| LayoutError::ListLine {
-                        path: path.to_path_buf(),
-                        line,
-                        reason,
-                    })?;
+                let text = read_list(path)?;
+                let files = parse_list(catalog, &text).map_err(list_line_error(path))?;
+                if files.is_empty() {
+                    return Err(LayoutError::ListEmpty(path.to_path_buf()));
+                }
                 Layout {
                     files,
                     classes: Vec::new(),
@@ -267,62 +264,103 @@ fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
     out
 }
 
-/// One relative path per line; line i is sample i. Errors carry the 1-based line number.
-fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
-    let mut files = Vec::new();
+/// Reads a `--list-file` and checks the shape of its lines ([`list_paths`]), so a bad list is
+/// reported before the scan; whether the paths exist is known only after it.
+pub fn check_list_file(path: &Path) -> Result<(), LayoutError> {
+    let text = read_list(path)?;
+    let paths = list_paths(&text).map_err(list_line_error(path))?;
+    if paths.is_empty() {
+        return Err(LayoutError::ListEmpty(path.to_path_buf()));
+    }
+    Ok(())
+}
+
+fn read_list(path: &Path) -> Result<Vec<u8>, LayoutError> {
+    std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn list_line_error(path: &Path) -> impl FnOnce((usize, String)) -> LayoutError + '_ {
+    move |(line, reason)| LayoutError::ListLine {
+        path: path.to_path_buf(),
+        line,
+        reason,
+    }
+}
+
+/// The lines of a `--list-file` as paths, checked for shape before any lookup: one relative
+/// path per line (line i is sample i), no empty line, nothing absolute, no `..`. A trailing
+/// newline and `\r\n` line ends are accepted. Errors carry the 1-based line number.
+pub fn list_paths(text: &[u8]) -> Result<Vec<&Path>, (usize, String)> {
     let body = text.strip_suffix(b"\n").unwrap_or(text);
     if body.is_empty() {
-        return Ok(files);
+        return Ok(Vec::new());
     }
-    for (i, line) in body.split(|&b| b == b'\n').enumerate() {
-        let line_no = i + 1;
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            return Err((line_no, "empty line (every line must name a file)".into()));
-        }
-        let path = Path::new(OsStr::from_bytes(line));
-        if path.is_absolute() {
-            return Err((
-                line_no,
-                format!(
-                    "'{}' is absolute; paths must be relative to the source",
-                    path.display()
-                ),
-            ));
-        }
-        if path
-            .components()
-            .any(|c| matches!(c, std::path::Component::ParentDir))
-        {
-            return Err((
-                line_no,
-                format!(
-                    "'{}' contains '..'; paths must stay inside the source",
-                    path.display()
-                ),
-            ));
-        }
-        let id = catalog.lookup_path(path).ok_or_else(|| {
-            (
-                line_no,
-                format!("'{}' does not exist in the source", path.display()),
-            )
-        })?;
-        let file = catalog
-            .resolve(id)
-            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
-            .ok_or_else(|| {
-                (
+    body.split(|&b| b == b'\n')
+        .enumerate()
+        .map(|(i, line)| {
+            let line_no = i + 1;
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.is_empty() {
+                return Err((line_no, "empty line (every line must name a file)".into()));
+            }
+            let path = Path::new(OsStr::from_bytes(line));
+            if path.is_absolute() {
+                return Err((
                     line_no,
                     format!(
-                        "'{}' is not a regular file (or a link to one) inside the source",
+                        "'{}' is absolute; paths must be relative to the source",
                         path.display()
                     ),
+                ));
+            }
+            if path
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+            {
+                return Err((
+                    line_no,
+                    format!(
+                        "'{}' contains '..'; paths must stay inside the source",
+                        path.display()
+                    ),
+                ));
+            }
+            Ok(path)
+        })
+        .collect()
+}
+
+/// [`list_paths`], then each path looked up in the catalog: it must name a regular file (or a
+/// link resolving to one inside SOURCE).
+fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
+    list_paths(text)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, path)| {
+            let line_no = i + 1;
+            let id = catalog.lookup_path(path).ok_or_else(|| {
+                (
+                    line_no,
+                    format!("'{}' does not exist in the source", path.display()),
                 )
             })?;
-        files.push(file);
-    }
-    Ok(files)
+            catalog
+                .resolve(id)
+                .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
+                .ok_or_else(|| {
+                    (
+                        line_no,
+                        format!(
+                            "'{}' is not a regular file (or a link to one) inside the source",
+                            path.display()
+                        ),
+                    )
+                })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -416,6 +454,35 @@ mod tests {
             .map(PathBuf::from)
             .collect();
         assert_eq!(paths, want);
+    }
+
+    /// What `stagefs mount` checks before it starts the daemon.
+    #[test]
+    fn list_file_checked_before_the_scan() {
+        let tmp = tempfile::tempdir().unwrap();
+        let list = tmp.path().join("list.txt");
+        for (text, want) in [
+            (&b""[..], "names no file"),
+            (b"\n", "names no file"),
+            (b"a.jpg\n../b.jpg\n", "line 2: '../b.jpg' contains '..'"),
+            (b"a.jpg\r\n\r\n", "line 2: empty line"),
+        ] {
+            fs::write(&list, text).unwrap();
+            let msg = check_list_file(&list).unwrap_err().to_string();
+            assert!(
+                msg.starts_with("--list-file ") && msg.contains(want),
+                "{msg}"
+            );
+        }
+        fs::write(&list, b"not/yet/known.jpg\n").unwrap();
+        assert!(
+            check_list_file(&list).is_ok(),
+            "existence is checked after the scan"
+        );
+        let msg = check_list_file(&tmp.path().join("nope"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.starts_with("cannot read --list-file "), "{msg}");
     }
 
     #[test]

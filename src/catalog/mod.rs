@@ -21,7 +21,9 @@ use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use index::IndexError;
-pub use layout::{DEFAULT_EXTENSIONS, Layout, LayoutKind};
+pub use layout::{
+    DEFAULT_EXTENSIONS, Layout, LayoutError, LayoutKind, check_list_file, list_paths,
+};
 pub use scan::{Lister, ScanError, Scanned};
 
 /// A catalog node id: index into [`Catalog::entries`]. The root is 0.
@@ -237,18 +239,18 @@ impl Catalog {
     }
 
     /// Walks `path` from directory `start`, resolving symlinked directories on the way and
-    /// `..` lexically against the tree (never above the root).
+    /// `..` against the tree (never above the root).
     fn walk_from(&self, start: FileId, path: &Path, hops: &mut usize) -> Option<FileId> {
         let mut cur = start;
         for comp in path.components() {
             match comp {
                 Component::Normal(name) => {
-                    let dir = self.resolve_hops(cur, hops)?;
+                    let dir = self.resolve_dir(cur, hops)?;
                     cur = self.lookup(dir, name)?;
                 }
-                Component::CurDir => {}
+                Component::CurDir => cur = self.resolve_dir(cur, hops)?,
                 Component::ParentDir => {
-                    let dir = self.resolve_hops(cur, hops)?;
+                    let dir = self.resolve_dir(cur, hops)?;
                     if dir == ROOT {
                         return None;
                     }
@@ -257,11 +259,58 @@ impl Catalog {
                 Component::RootDir | Component::Prefix(_) => return None,
             }
         }
+        // `components()` drops a trailing `/` or `/.`, but they make the kernel insist on a
+        // directory: `file.jpg/` is ENOTDIR, not the file.
+        let bytes = path.as_os_str().as_bytes();
+        if bytes.ends_with(b"/") || bytes.ends_with(b"/.") {
+            cur = self.resolve_dir(cur, hops)?;
+        }
         Some(cur)
+    }
+
+    /// `id` resolved, if that is a directory (what a path may continue through).
+    fn resolve_dir(&self, id: FileId, hops: &mut usize) -> Option<FileId> {
+        let dir = self.resolve_hops(id, hops)?;
+        (self.entries[dir as usize].kind == Kind::Directory).then_some(dir)
     }
 
     /// Every regular file id, in id order.
     pub fn files(&self) -> impl Iterator<Item = FileId> + '_ {
         (0..self.entries.len() as FileId).filter(|&id| self.entries[id as usize].kind == Kind::File)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// Found by fuzz/catalog_paths: a link to `y.png/` resolved to the file, where the kernel
+    /// says ENOTDIR; so did `y.png/.` and `y.png/..` (it walked to the file's parent).
+    #[test]
+    fn a_path_through_a_file_resolves_to_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        std::fs::create_dir(root.join("a")).unwrap();
+        std::fs::write(root.join("a/y.png"), b"y").unwrap();
+        let links = [
+            ("slash", "y.png/", false),
+            ("dot", "y.png/.", false),
+            ("dotdot", "y.png/..", false),
+            ("into", "y.png/z", false),
+            ("file", "y.png", true),
+            ("dir_slash", "../a/", true),
+            ("dir_dot", "./.", true),
+        ];
+        for (name, target, _) in links {
+            symlink(target, root.join("a").join(name)).unwrap();
+        }
+        let catalog = Catalog::scan(root, 1).unwrap();
+        for (name, target, resolves) in links {
+            let id = catalog.lookup_path(&Path::new("a").join(name)).unwrap();
+            let kernel = std::fs::canonicalize(root.join("a").join(name)).is_ok();
+            assert_eq!(kernel, resolves, "{target}: the kernel's view");
+            assert_eq!(catalog.resolve(id).is_some(), resolves, "{target}");
+        }
     }
 }

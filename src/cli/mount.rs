@@ -8,7 +8,7 @@
 use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -23,7 +23,9 @@ use fuser::{Config, MountOption, SessionACL};
 use super::size::{Lookahead, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::cache::{CacheDir, index_path};
-use crate::catalog::{Catalog, IndexError, Layout, index};
+use crate::catalog::{
+    Catalog, IndexError, Layout, LayoutError, LayoutKind, check_list_file, index,
+};
 use crate::fs::{MountedDataset, StageFs};
 use crate::order::SamplerConfig;
 use crate::plan::{Plan, TrackerSettings};
@@ -223,14 +225,17 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         .and_then(|v| v.parse().ok());
     if !args.foreground && ready_fd.is_none() {
         check_paths(&args)?;
-        // The daemon creates its log (in CACHE by default) before it checks anything.
-        parse_options(&args)?;
+        settings(&args)?;
         return spawn_daemon(&args);
     }
-    init_logging(&args, ready_fd.is_some())?;
     // SAFETY: the fd was created for us by the parent and is owned by this process alone.
     let mut ready = ready_fd.map(|fd| unsafe { fs::File::from_raw_fd(fd) });
-    let started = match start(&args) {
+    // Errors from here on, the log's own included, reach the user through the pipe.
+    let started = init_logging(&args, ready.is_some()).and_then(|()| {
+        log_panics();
+        start(&args)
+    });
+    let started = match started {
         Ok(m) => m,
         Err(message) => {
             if let Some(r) = ready.as_mut() {
@@ -264,6 +269,15 @@ pub fn run(args: MountArgs) -> Result<(), String> {
     started.stop();
     log::info!("unmounted {}", args.mountpoint.display());
     Ok(())
+}
+
+/// A detached daemon's stderr is /dev/null: panics go to the log as well, where they are seen.
+fn log_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        log::error!("{info}");
+        default(info);
+    }));
 }
 
 /// Blocks until SIGTERM/SIGINT/SIGHUP or until the mount goes away (e.g. `fusermount3 -u`).
@@ -311,11 +325,18 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
             .clone()
             .unwrap_or_else(|| args.cache.join("stagefs.log"));
         if let Some(dir) = path.parent() {
-            let _ = fs::create_dir_all(dir);
+            // By default the log lives in the cache, which is private (0700) from the start.
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
         }
+        // It names the dataset's files: private like the cache.
         let file = fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&path)
             .map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
         builder.target(env_logger::Target::Pipe(Box::new(file)));
@@ -565,8 +586,8 @@ fn load_catalog(
         .map_err(|e| e.to_string())
 }
 
-/// The option values, checked as far as they can be without the dataset.
-struct Options {
+/// The option values, parsed and checked as far as they can be without the dataset.
+struct Settings {
     sampler: SamplerConfig,
     ranks: Vec<u32>,
     cache_size: Option<u64>,
@@ -574,10 +595,15 @@ struct Options {
     read_through_above: u64,
 }
 
-/// Parses and checks the option values; touches nothing.
-fn parse_options(args: &MountArgs) -> Result<Options, String> {
+/// Checks every option value that does not need the scan. The command runs it before it
+/// starts the daemon, so a typo is reported without creating the cache directory (or its log).
+fn settings(args: &MountArgs) -> Result<Settings, String> {
     let (sampler, ranks) = args.sampler.config().map_err(|e| e.to_string())?;
-    sampler.validate_ranks(&ranks).map_err(|e| e.to_string())?;
+    // The largest dataset supported: only checks that do not depend on the length can fail
+    // (they run again against the real length after the scan).
+    sampler
+        .validate(1 << 32, &ranks)
+        .map_err(|e| e.to_string())?;
     let cache_size = args
         .cache_size
         .as_deref()
@@ -598,7 +624,13 @@ fn parse_options(args: &MountArgs) -> Result<Options, String> {
     if args.window == 0 {
         return Err("--window must be at least 1".into());
     }
-    Ok(Options {
+    if args.layout.layout == LayoutKind::List {
+        let list = args.layout.list_file.as_deref();
+        list.ok_or(LayoutError::ListFileMissing)
+            .and_then(check_list_file)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(Settings {
         sampler,
         ranks,
         cache_size,
@@ -610,13 +642,13 @@ fn parse_options(args: &MountArgs) -> Result<Options, String> {
 /// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
 pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     check_paths(args)?;
-    let Options {
+    let Settings {
         sampler,
         ranks,
         cache_size,
         lookahead,
         read_through_above,
-    } = parse_options(args)?;
+    } = settings(args)?;
     let source = fs::canonicalize(&args.source)
         .map_err(|e| format!("source {}: {e}", args.source.display()))?;
 

@@ -35,7 +35,11 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
         1
     } else {
         let upper = unit.to_ascii_uppercase();
-        let letter = upper.trim_end_matches('B').trim_end_matches('I');
+        // One suffix at most: "5KBB" or "9MIBB" are typos, not sizes.
+        let letter = ["IB", "I", "B"]
+            .iter()
+            .find_map(|suffix| upper.strip_suffix(suffix))
+            .unwrap_or(&upper);
         UNITS
             .iter()
             .find(|(u, _)| *u == letter)
@@ -108,6 +112,15 @@ mod tests {
             "1e9",
             "NaN",
         ] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Found by fuzz/size: repeated suffix letters were all stripped, so "9MIBB" was 9 MiB.
+    #[test]
+    fn one_suffix_only() {
+        assert_eq!(parse_size("9Ki"), Ok(9 << 10));
+        for bad in ["9MIBB", "5KBB", "5KII", "5IB", "5BB", "5KIBIB"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
     }

@@ -9,6 +9,8 @@
 
 mod xattr;
 
+pub use xattr::parse_epoch;
+
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;

@@ -213,7 +213,7 @@ impl MetricsWriter {
             let mut write = || {
                 let snapshot = StageFs::snapshot(&data, passthrough.load(Ordering::Relaxed));
                 let text = render(&snapshot, data.catalog.root_path());
-                if let Err(e) = write_atomically(&path, text.as_bytes())
+                if let Err(e) = write_atomically(&path, text.as_bytes(), 0o644)
                     && !warned
                 {
                     log::warn!("cannot write metrics file {}: {e}", path.display());

@@ -2,6 +2,7 @@
 //! on drop so a failing test leaves no mount behind.
 #![allow(dead_code)] // each test crate uses a different part of this module
 
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -15,6 +16,17 @@ pub fn stagefs(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run stagefs")
+}
+
+/// Runs `stagefs ARGS` (any bytes) under coreutils `timeout`, so a hang fails the test with
+/// exit status 124 instead of stalling the suite.
+pub fn stagefs_within<A: AsRef<OsStr>>(secs: u32, args: impl IntoIterator<Item = A>) -> Output {
+    Command::new("timeout")
+        .arg(secs.to_string())
+        .arg(bin())
+        .args(args)
+        .output()
+        .expect("run timeout stagefs")
 }
 
 /// Mount tests need root (or a FUSE-enabled user with fusermount3); CI runs as root.
@@ -52,16 +64,17 @@ impl TestMount {
         let cache = work.join("cache");
         let log = work.join("stagefs.log");
         std::fs::create_dir_all(&mnt).unwrap();
-        let mut args = vec![
-            "mount".to_string(),
-            source.display().to_string(),
-            mnt.display().to_string(),
+        // OsStrings, not display(): a source path need not be UTF-8.
+        let mut args: Vec<OsString> = vec![
+            "mount".into(),
+            source.into(),
+            mnt.clone().into(),
             "--cache".into(),
-            cache.display().to_string(),
+            cache.clone().into(),
             "--log-file".into(),
-            log.display().to_string(),
+            log.clone().into(),
         ];
-        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(extra.iter().map(OsString::from));
         let out = Command::new(bin())
             .args(&args)
             .env("RUST_LOG", "info")
@@ -101,6 +114,16 @@ impl TestMount {
         self.stats()[key]
             .as_u64()
             .unwrap_or_else(|| panic!("stats has no integer {key}"))
+    }
+
+    /// Waits (at most 20 s) until the integer statistic `key` reaches `n`; returns its last
+    /// value, for the caller to assert on.
+    pub fn wait_stat(&self, key: &str, n: u64) -> u64 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while self.stat(key) < n && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        self.stat(key)
     }
 
     /// The daemon's log so far (for assertions on messages and for failure output).
@@ -263,4 +286,18 @@ pub fn getfattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
     } else {
         Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
     }
+}
+
+/// Every regular file under `dir`, recursively (e.g. what a cache directory holds).
+pub fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk_files(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
 }

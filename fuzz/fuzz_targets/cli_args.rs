@@ -1,0 +1,48 @@
+//! Whole command lines (NUL-separated arguments after `stagefs`): clap's parse with the
+//! crate's argument definitions (debug assertions on, so an inconsistent definition fails
+//! here), then the sampler settings and size options the daemon derives from them. Every
+//! outcome is a value or a one-line error; nothing panics.
+#![no_main]
+
+use clap::Parser;
+use libfuzzer_sys::fuzz_target;
+use stagefs::cli::size::{parse_lookahead, parse_size};
+use stagefs::cli::{Cli, Command, SamplerArgs};
+
+/// What `mount` and `order` do with the sampler options before touching any file.
+fn check_sampler(sampler: &mut SamplerArgs) {
+    // Never read files named by fuzz input (a device could block or never end).
+    sampler.order_file = None;
+    match sampler.config() {
+        Ok((cfg, ranks)) => {
+            if let Err(e) = cfg.validate(1000, &ranks) {
+                assert!(!e.to_string().contains('\n'));
+            }
+        }
+        Err(e) => assert!(!e.to_string().contains('\n'), "{e}"),
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let argv = std::iter::once("stagefs").chain(text.split('\0'));
+    let Ok(cli) = Cli::try_parse_from(argv) else {
+        return;
+    };
+    match cli.command {
+        Command::Mount(mut args) => {
+            check_sampler(&mut args.sampler);
+            for size in [
+                args.cache_size.as_deref(),
+                Some(args.read_through_above.as_str()),
+            ] {
+                let _ = size.map(parse_size);
+            }
+            let _ = args.lookahead.as_deref().map(parse_lookahead);
+        }
+        Command::Order(mut args) => check_sampler(&mut args.sampler),
+        _ => {}
+    }
+});
