@@ -168,11 +168,15 @@ impl Plan {
     /// Node stream of `epoch` as file ids, without the inverse index (for resynchronisation
     /// scans, which look at many epochs once).
     pub fn stream(&self, epoch: u64) -> Vec<FileId> {
-        // validate() ran in new(): the sampler cannot fail for these settings any more.
+        // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
+        // epoch above 2^64): that epoch is then not predicted, and the log says why.
         let indices = self
             .sampler
             .node_order(self.layout.len() as u64, epoch, &self.ranks)
-            .unwrap_or_default();
+            .unwrap_or_else(|e| {
+                log::error!("cannot predict epoch {epoch}: {e}; its files are cached as they are read");
+                Vec::new()
+            });
         indices.into_iter().map(|i| self.layout.file(i)).collect()
     }
 
