@@ -159,24 +159,14 @@ impl Dataset {
 
 /// `stagefs order` for `sampler` over the dataset: indices (or paths), epoch after epoch.
 fn predicted(source: &Path, sampler: &[&str], epochs: usize, paths: bool) -> Vec<String> {
-    let mut args = vec!["order", "--source", source.to_str().unwrap()];
+    let mut args = vec!["--source", source.to_str().unwrap()];
     args.extend_from_slice(sampler);
     let epochs = epochs.to_string();
     args.extend_from_slice(&["--epochs", &epochs]);
     if paths {
         args.push("--paths");
     }
-    let out = stagefs(&args);
-    assert!(
-        out.status.success(),
-        "stagefs order: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect()
+    stagefs_order(&args)
 }
 
 /// One run of a training script, killed if it outlives the test or [`JOB_DEADLINE`].

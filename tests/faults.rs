@@ -110,19 +110,9 @@ fn assert_same(what: &str, got: &[u8], want: &[u8]) {
 
 /// The job's predicted order as relative paths (`stagefs order --paths`), for `sampler` args.
 fn predicted_order(source: &Path, sampler: &[&str]) -> Vec<String> {
-    let mut args = vec!["order", "--source", source.to_str().unwrap(), "--paths"];
+    let mut args = vec!["--source", source.to_str().unwrap(), "--paths"];
     args.extend_from_slice(sampler);
-    let out = stagefs(&args);
-    assert!(
-        out.status.success(),
-        "stagefs order: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect()
+    stagefs_order(&args)
 }
 
 // ---------------------------------------------------------------------------------------------

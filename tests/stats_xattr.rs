@@ -118,20 +118,10 @@ fn wait_fully_staged(m: &TestMount) {
 /// Relative paths in the order the mount (started with `SEEDED`) predicts for `epoch`.
 fn predicted_order(source: &Path, epoch: u64) -> Vec<String> {
     let epoch = epoch.to_string();
-    let mut args = vec!["order", "--source", source.to_str().unwrap(), "--paths"];
+    let mut args = vec!["--source", source.to_str().unwrap(), "--paths"];
     args.extend(SEEDED);
     args.extend(["--epoch", &epoch]);
-    let out = stagefs(&args);
-    assert!(
-        out.status.success(),
-        "order: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let paths: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(String::from)
-        .collect();
+    let paths = stagefs_order(&args);
     assert_eq!(paths.len(), FILES as usize);
     paths
 }

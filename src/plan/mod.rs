@@ -174,7 +174,9 @@ impl Plan {
             .sampler
             .node_order(self.layout.len() as u64, epoch, &self.ranks)
             .unwrap_or_else(|e| {
-                log::error!("cannot predict epoch {epoch}: {e}; its files are cached as they are read");
+                log::error!(
+                    "cannot predict epoch {epoch}: {e}; its files are cached as they are read"
+                );
                 Vec::new()
             });
         indices.into_iter().map(|i| self.layout.file(i)).collect()

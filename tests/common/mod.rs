@@ -29,6 +29,24 @@ pub fn stagefs_within<A: AsRef<OsStr>>(secs: u32, args: impl IntoIterator<Item =
         .expect("run timeout stagefs")
 }
 
+/// Runs `stagefs order ARGS` (the prediction a mount with those options follows) and
+/// returns its lines: indices, or relative paths with `--paths`.
+pub fn stagefs_order(args: &[&str]) -> Vec<String> {
+    let mut full = vec!["order"];
+    full.extend_from_slice(args);
+    let out = stagefs(&full);
+    assert!(
+        out.status.success(),
+        "stagefs order: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("UTF-8 paths")
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
 /// Mount tests need root (or a FUSE-enabled user with fusermount3); CI runs as root.
 pub fn require_fuse() {
     assert!(
