@@ -31,7 +31,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::cache::{CacheDir, CopyError};
 use crate::catalog::{Catalog, FileId, Layout};
-use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
+use crate::plan::{Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
 pub use source::{LocalSource, Source};
@@ -197,9 +197,10 @@ impl Stager {
             shutdown: AtomicBool::new(false),
         });
         {
-            // Reused files beyond capacity (a smaller --cache-size than last time) go now.
+            // Reused files beyond capacity (a smaller --cache-size than last time) go now,
+            // furthest next use first.
             let mut st = inner.state.lock();
-            inner.make_room(&mut st, 0, NEVER - 1);
+            inner.make_room(&mut st, 0, 0);
         }
         let mut threads = Vec::new();
         for i in 0..settings.threads.max(1) {

@@ -77,6 +77,8 @@ struct Setup {
     retries: u32,
     /// Start with every source open failing.
     source_broken: bool,
+    /// Start with opens of this sample's file failing (until the test heals it).
+    failing_sample: Option<u32>,
 }
 
 impl Setup {
@@ -91,6 +93,7 @@ impl Setup {
             lookahead_files: u64::MAX,
             retries: 2,
             source_broken: false,
+            failing_sample: None,
         }
     }
 
@@ -126,6 +129,10 @@ impl Setup {
         };
         let source = Arc::new(FlakySource::default());
         source.broken.store(self.source_broken, Ordering::SeqCst);
+        if let Some(i) = self.failing_sample {
+            let path = catalog.source_path(layout_file(&catalog, i));
+            source.failing.lock().insert(path, u32::MAX);
+        }
         let counters = Arc::new(Counters::default());
         let stager = start_stager(&dir, &catalog, &source, &plan, settings, &counters);
         let file_of = (0..layout_len(&catalog))
@@ -343,12 +350,11 @@ fn several_local_ranks_and_padding_are_one_node_stream() {
 
 #[test]
 fn source_errors_reach_only_that_file_and_staging_carries_on() {
-    let h = Setup::new(50, SamplerKind::Sequential).build();
-    let bad = h.plan.stream(0)[20];
-    h.source
-        .failing
-        .lock()
-        .insert(h.catalog.source_path(bad), u32::MAX);
+    let mut setup = Setup::new(50, SamplerKind::Sequential);
+    // Failing from the start: the frontier must not stage it before the test breaks it.
+    setup.failing_sample = Some(20);
+    let h = setup.build();
+    let bad = h.file_of[20];
     let started = Instant::now();
     // The frontier may have tried it already; a reader's open tries again and gets EIO.
     assert_eq!(h.read(bad), Err(libc::EIO));
@@ -477,7 +483,12 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
         tracker: TrackerSettings::default(),
     };
     h.stager = Some(start_stager(
-        &h.dir, &h.catalog, &h.source, &h.plan, settings, &counters,
+        &h.dir,
+        &h.catalog,
+        &h.source,
+        &h.plan,
+        settings.clone(),
+        &counters,
     ));
     h.counters = counters;
     assert_eq!(h.get(&h.counters.reused_files), 80);
@@ -485,6 +496,30 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     h.read_epoch(1, 8, 2, Duration::ZERO);
     assert_eq!(h.get(&h.counters.hits), 80);
     assert_eq!(h.get(&h.counters.source_bytes), 0);
+
+    // A later mount with a smaller --cache-size keeps only what fits.
+    h.stager.take().unwrap().shutdown();
+    let capacity = h.share_bytes() / 2;
+    let settings = StagerSettings {
+        capacity,
+        threads: 1,
+        ..settings
+    };
+    h.stager = Some(start_stager(
+        &h.dir,
+        &h.catalog,
+        &h.source,
+        &h.plan,
+        settings,
+        &h.counters,
+    ));
+    let g = h.stager().gauges();
+    assert!(
+        g.cache_used_bytes <= capacity,
+        "{} cached over a capacity of {capacity}",
+        g.cache_used_bytes
+    );
+    assert!(g.cached_files > 0 && g.cached_files < 80);
 }
 
 proptest! {
