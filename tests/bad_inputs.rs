@@ -36,12 +36,7 @@ struct Case {
 }
 
 const fn early(cmd: &'static str, expect: &'static str) -> Case {
-    Case {
-        cmd,
-        files: &[],
-        expect,
-        after_scan: false,
-    }
+    early_with(cmd, &[], expect)
 }
 
 const fn early_with(

@@ -280,10 +280,7 @@ impl CacheDir {
         relative: &Path,
         entry: &Entry,
     ) -> Result<u64, CopyError> {
-        let src_err = |e: io::Error| CopyError::Source {
-            path: source.to_path_buf(),
-            source: e,
-        };
+        let src_err = source_err(source);
         if !entry.matches(&src.metadata().map_err(src_err)?) {
             return Err(CopyError::SourceChanged(source.to_path_buf()));
         }
@@ -316,10 +313,7 @@ impl CacheDir {
         tmp_path: &Path,
         entry: &Entry,
     ) -> Result<u64, CopyError> {
-        let src_err = |e: io::Error| CopyError::Source {
-            path: source.to_path_buf(),
-            source: e,
-        };
+        let src_err = source_err(source);
         let mut out = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -388,6 +382,14 @@ impl CacheDir {
 /// Where a mount keeps its catalog index inside the cache directory `root`.
 pub fn index_path(root: &Path) -> PathBuf {
     root.join(INDEX)
+}
+
+/// Maps a read error on the source file at `path` (retried by the stager, unlike cache errors).
+fn source_err(path: &Path) -> impl Fn(io::Error) -> CopyError + '_ {
+    move |source| CopyError::Source {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn cache_err(e: io::Error) -> CopyError {
