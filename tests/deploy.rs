@@ -497,7 +497,11 @@ impl TerminalRun {
         );
         let output = work.join("script.out");
         let mut cmd = Command::new("script");
+        // script(1) runs the line with $SHELL. dash (Debian's /bin/sh, and what a bare CI
+        // environment gets) dies of the terminal's SIGINT before the echo; bash waits for
+        // its child and carries on when the child handled the signal, as a user's shell does.
         cmd.args(["-q", "-e", "-c", &line, "/dev/null"])
+            .env("SHELL", "/bin/bash")
             .env("STAGEFS", bin())
             .stdin(Stdio::piped())
             .stdout(fs::File::create(&output).unwrap())
