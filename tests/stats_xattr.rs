@@ -892,13 +892,16 @@ fn watch_draws_on_a_terminal_and_prints_lines_into_a_pipe() {
     let mnt = m.mnt.to_str().unwrap();
     let bin = bin();
 
-    // A terminal (script's pseudo-terminal): the line is redrawn in place.
+    // A terminal (script's pseudo-terminal): the line is redrawn in place. TERM is set as a
+    // login gives it; unset or `dumb` (a bare CI environment) means no cursor control, and
+    // then plain lines are printed, as into a pipe.
     let inner = format!(
         "timeout -s INT 3 {} stats --watch --interval 0.2 {mnt}",
         bin.display()
     );
     let out = Command::new("script")
         .args(["-qfec", &inner, "/dev/null"])
+        .env("TERM", "xterm")
         .stdin(Stdio::null())
         .output()
         .expect("run script (util-linux)");
