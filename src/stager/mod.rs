@@ -396,7 +396,12 @@ impl Inner {
                         .next_use(file, m.position.map_or(st.tracker.cursor(), |p| p + 1));
                     st.evict.set_next_use(file, next);
                 }
-                self.work.notify_all();
+                // The lookahead window slid: if a copy is due, one idle worker takes it and
+                // wakes the next if there is more. Waking workers for nothing (everything
+                // ahead cached) would cost every open two context switches.
+                if m.passed.is_some() && self.copy_due(st) {
+                    self.work.notify_one();
+                }
             }
             TrackerMode::Lost | TrackerMode::OnDemand => {
                 let seq = st.access_seq;
@@ -555,6 +560,9 @@ impl Inner {
             let mut deferred = Deferred::new();
             match self.next_job(&mut st, &mut deferred) {
                 Some(job) => {
+                    if !st.urgent.is_empty() || self.copy_due(&mut st) {
+                        self.work.notify_one();
+                    }
                     drop(st);
                     run_deferred(deferred);
                     let result = self.copy_with_retries(job.file);
@@ -605,18 +613,36 @@ impl Inner {
                 position: None,
             });
         }
-        if st.tracker.mode() != TrackerMode::Predicting
-            || st.paused_until.is_some_and(|t| Instant::now() < t)
-        {
+        let (pos, file) = self.frontier_to_copy(st)?;
+        let size = self.size_of(file);
+        if !self.make_room(st, size, pos) {
             return None;
         }
-        let cursor = st.tracker.cursor();
-        let (cursor_epoch, _) = self.plan.split(cursor);
-        let horizon = self.plan.join(cursor_epoch + 2, 0);
-        while st.frontier < horizon
-            && st.frontier - cursor < self.settings.lookahead_files
-            && st.ahead_bytes < self.settings.lookahead_bytes
-        {
+        st.frontier += 1;
+        st.ahead_bytes += size;
+        st.files.insert(file, FileState::Staging);
+        st.reserved += size;
+        Some(Job {
+            file,
+            position: Some(pos),
+        })
+    }
+
+    /// Whether the frontier has a copy to make now: a file to stage that fits, or that is
+    /// needed sooner than the furthest cached one (which [`Inner::make_room`] would evict).
+    fn copy_due(&self, st: &mut State) -> bool {
+        self.frontier_to_copy(st).is_some_and(|(pos, file)| {
+            st.used + st.reserved + self.size_of(file) <= st.capacity
+                || st.evict.furthest().is_some_and(|(key, _)| key > pos)
+        })
+    }
+
+    /// Moves the frontier over positions that need no copy (unservable, already cached or
+    /// under way, changed on the source, larger than the cache) and returns the first that
+    /// does, without taking it. Cheap when everything ahead is cached, so an open can ask
+    /// whether a worker is needed at all.
+    fn frontier_to_copy(&self, st: &mut State) -> Option<(Position, FileId)> {
+        while self.frontier_open(st) {
             let pos = st.frontier;
             let file = self.plan.file_at(pos);
             if file == Layout::NO_FILE {
@@ -630,19 +656,24 @@ impl Inner {
                 st.ahead_bytes += size;
                 continue;
             }
-            if !self.make_room(st, size, pos) {
-                return None;
-            }
-            st.frontier += 1;
-            st.ahead_bytes += size;
-            st.files.insert(file, FileState::Staging);
-            st.reserved += size;
-            return Some(Job {
-                file,
-                position: Some(pos),
-            });
+            return Some((pos, file));
         }
         None
+    }
+
+    /// Whether the frontier may take another position: predicting, not paused, and within the
+    /// horizon (the cursor's epoch and the next) and the lookahead.
+    fn frontier_open(&self, st: &State) -> bool {
+        if st.tracker.mode() != TrackerMode::Predicting
+            || st.paused_until.is_some_and(|t| Instant::now() < t)
+        {
+            return false;
+        }
+        let cursor = st.tracker.cursor();
+        let (cursor_epoch, _) = self.plan.split(cursor);
+        st.frontier < self.plan.join(cursor_epoch + 2, 0)
+            && st.frontier - cursor < self.settings.lookahead_files
+            && st.ahead_bytes < self.settings.lookahead_bytes
     }
 
     fn copy_with_retries(&self, file: FileId) -> Result<u64, CopyError> {
@@ -776,7 +807,7 @@ impl Inner {
                 answer_all(&mut deferred, &|| Err(libc::EIO));
             }
         }
-        self.work.notify_all();
+        // No wake-up here: the worker that completed looks for the next job itself.
         deferred
     }
 

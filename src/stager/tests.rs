@@ -304,6 +304,20 @@ fn the_stager_runs_ahead_of_a_slow_reader() {
 }
 
 #[test]
+fn a_short_lookahead_keeps_pace_with_the_reader() {
+    // Four files ahead at most: each open that moves the cursor must wake a worker for the
+    // file that just entered the window (a worker left to its 200 ms sweep would fall behind
+    // and the reader would miss).
+    let mut setup = Setup::new(200, SamplerKind::TorchDistributed);
+    setup.lookahead_files = 4;
+    let h = setup.build();
+    assert!(h.eventually(|| h.get(&h.counters.staged_files) == 4));
+    h.read_epoch(0, 2, 1, Duration::from_millis(10));
+    let hits = h.get(&h.counters.hits);
+    assert!(hits >= 190, "only {hits} of 200 opens were hits");
+}
+
+#[test]
 fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
     let mut setup = Setup::new(400, SamplerKind::TorchDistributed);
     setup.capacity_share = 0.3;
