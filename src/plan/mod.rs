@@ -6,13 +6,15 @@
 //! stager can ask "when is this file next needed?", the question Belady eviction runs on.
 //!
 //! Epochs are computed on demand and only a few are kept: the run is never materialised.
+//! Computing one takes long at scale (about a second for 14 M samples), so the stager plans
+//! the next epoch off its lock and asks [`Plan::planned`], which never computes.
 
 mod tracker;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::catalog::{FileId, Layout};
 use crate::order::{OrderError, SamplerConfig};
@@ -29,6 +31,19 @@ pub const NEVER: Position = Position::MAX;
 /// Epoch plans kept in memory: the cursor's epoch and the next one, which is all the tracker
 /// and the stager look at (12 bytes per sample each, so this bounds the plan's memory).
 const CACHED_EPOCHS: usize = 2;
+
+/// Epoch plans in memory, and the epochs some thread is computing right now.
+#[derive(Default)]
+struct Epochs {
+    recent: VecDeque<Arc<EpochPlan>>,
+    building: Vec<u64>,
+}
+
+impl Epochs {
+    fn get(&self, epoch: u64) -> Option<Arc<EpochPlan>> {
+        self.recent.iter().find(|p| p.epoch == epoch).cloned()
+    }
+}
 
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
@@ -105,7 +120,9 @@ pub struct Plan {
     /// Number of catalog entries (file ids are below this).
     id_space: usize,
     epoch_len: u64,
-    recent: Mutex<VecDeque<Arc<EpochPlan>>>,
+    epochs: Mutex<Epochs>,
+    /// Signalled when an epoch finishes building.
+    built: Condvar,
 }
 
 impl Plan {
@@ -122,7 +139,8 @@ impl Plan {
             layout,
             id_space,
             epoch_len: 0,
-            recent: Mutex::new(VecDeque::new()),
+            epochs: Mutex::new(Epochs::default()),
+            built: Condvar::new(),
         };
         // Samplers that give every rank the same order yield one stream per node, the
         // distributed one a merge of the local ranks: the first epoch says which.
@@ -149,20 +167,42 @@ impl Plan {
         &self.ranks
     }
 
-    /// The plan of `epoch`, computed on first use and kept among the last few.
+    /// The plan of `epoch`, computed on first use and kept among the last few. Single-flight:
+    /// a caller asking for an epoch another thread is computing waits for that result.
     pub fn epoch(&self, epoch: u64) -> Arc<EpochPlan> {
-        if let Some(p) = self.recent.lock().iter().find(|p| p.epoch == epoch) {
-            return p.clone();
-        }
-        let plan = Arc::new(self.compute(epoch));
-        let mut recent = self.recent.lock();
-        if !recent.iter().any(|p| p.epoch == epoch) {
-            if recent.len() >= CACHED_EPOCHS {
-                recent.pop_front();
+        let mut epochs = self.epochs.lock();
+        loop {
+            if let Some(p) = epochs.get(epoch) {
+                return p;
             }
-            recent.push_back(plan.clone());
+            if !epochs.building.contains(&epoch) {
+                break;
+            }
+            self.built.wait(&mut epochs);
         }
+        epochs.building.push(epoch);
+        drop(epochs);
+        let plan = Arc::new(self.compute(epoch));
+        let mut epochs = self.epochs.lock();
+        epochs.building.retain(|&e| e != epoch);
+        if epochs.recent.len() >= CACHED_EPOCHS {
+            epochs.recent.pop_front();
+        }
+        epochs.recent.push_back(plan.clone());
+        drop(epochs);
+        self.built.notify_all();
         plan
+    }
+
+    /// The plan of `epoch` if it is in memory; never computes.
+    pub fn planned(&self, epoch: u64) -> Option<Arc<EpochPlan>> {
+        self.epochs.lock().get(epoch)
+    }
+
+    /// Drops the plans of epochs before `epoch` (the reader has left them), so that computing
+    /// the next one does not hold three epochs in memory at once.
+    pub fn forget_before(&self, epoch: u64) {
+        self.epochs.lock().recent.retain(|p| p.epoch >= epoch);
     }
 
     /// Node stream of `epoch` as file ids, without the inverse index (for resynchronisation
@@ -202,18 +242,29 @@ impl Plan {
         epoch.saturating_mul(self.epoch_len).saturating_add(offset)
     }
 
-    /// File at a global position.
+    /// File at a global position, computing its epoch's plan if needed.
     pub fn file_at(&self, pos: Position) -> FileId {
         let (e, o) = self.split(pos);
-        self.epoch(e)
-            .stream
-            .get(o as usize)
+        Self::file_in(&self.epoch(e), o)
+    }
+
+    /// File at a global position if its epoch is planned already.
+    pub fn planned_file_at(&self, pos: Position) -> Option<FileId> {
+        let (e, o) = self.split(pos);
+        self.planned(e).map(|plan| Self::file_in(&plan, o))
+    }
+
+    fn file_in(plan: &EpochPlan, offset: u64) -> FileId {
+        plan.stream
+            .get(offset as usize)
             .copied()
             .unwrap_or(Layout::NO_FILE)
     }
 
     /// Next global position ≥ `from` at which `file` is read, looking no further than the end
-    /// of the epoch after `from`'s (the horizon the stager plans for).
+    /// of the epoch after `from`'s (the horizon the stager plans for), and into that next
+    /// epoch only if it is planned already: until then a file not read again in `from`'s
+    /// epoch answers [`NEVER`], and the stager rekeys it once the plan is there.
     pub fn next_use(&self, file: FileId, from: Position) -> Position {
         if !self.predicts() {
             return NEVER;
@@ -222,9 +273,73 @@ impl Plan {
         if let Some(off) = self.epoch(e).next_offset(file, o) {
             return self.join(e, off);
         }
-        match self.epoch(e + 1).next_offset(file, 0) {
+        match self
+            .planned(e + 1)
+            .and_then(|next| next.next_offset(file, 0))
+        {
             Some(off) => self.join(e + 1, off),
             None => NEVER,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::order::SamplerKind;
+
+    /// A torch-random plan over `n` files whose ids equal their sample indices.
+    fn plan(n: u32) -> Plan {
+        let layout = Arc::new(Layout::identity(n));
+        Plan::new(
+            SamplerConfig::new(SamplerKind::TorchRandom),
+            vec![0],
+            layout,
+            n as usize,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_next_epoch_counts_only_once_it_is_planned() {
+        let p = plan(50);
+        let file = p.stream(1)[0];
+        // Where the file is read in epoch 0 does not matter: ask from past its last use.
+        let last_in_0 = *p.epoch(0).offsets_of(file).last().unwrap() as u64;
+        let from = p.join(0, last_in_0 + 1);
+        assert!(p.planned(1).is_none());
+        assert_eq!(p.next_use(file, from), NEVER);
+        assert_eq!(p.planned_file_at(p.join(1, 0)), None);
+        p.epoch(1);
+        assert_eq!(p.next_use(file, from), p.join(1, 0));
+        assert_eq!(p.planned_file_at(p.join(1, 0)), Some(file));
+    }
+
+    #[test]
+    fn forget_before_keeps_the_current_epoch_and_later() {
+        let p = plan(50);
+        p.epoch(1);
+        p.forget_before(1);
+        assert!(p.planned(0).is_none());
+        assert!(p.planned(1).is_some());
+        // A forgotten epoch is recomputed on demand, identically.
+        assert_eq!(p.epoch(0).stream, p.stream(0));
+    }
+
+    #[test]
+    fn concurrent_requests_for_an_epoch_share_one_computation() {
+        // Large enough that both threads ask while the first is still computing.
+        let p = plan(2_000_000);
+        let barrier = std::sync::Barrier::new(2);
+        let (a, b) = std::thread::scope(|s| {
+            let ask = || {
+                barrier.wait();
+                p.epoch(5)
+            };
+            let a = s.spawn(ask);
+            let b = s.spawn(ask);
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert!(Arc::ptr_eq(&a, &b), "epoch 5 was computed twice");
     }
 }

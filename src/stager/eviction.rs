@@ -60,6 +60,19 @@ impl EvictionIndex {
     pub fn files(&self) -> Vec<FileId> {
         self.key_of.keys().copied().collect()
     }
+
+    /// `file`'s current key, if it is cached.
+    pub fn key(&self, file: FileId) -> Option<u64> {
+        self.key_of.get(&file).copied()
+    }
+
+    /// Files whose key is exactly `key`.
+    pub fn files_keyed(&self, key: u64) -> Vec<FileId> {
+        self.by_key
+            .range((key, FileId::MIN)..=(key, FileId::MAX))
+            .map(|&(_, f)| f)
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -80,6 +93,20 @@ mod tests {
         ix.set_next_use(2, 5);
         assert_eq!(ix.furthest(), Some((10, 1)));
         assert_eq!(ix.len(), 2);
+    }
+
+    #[test]
+    fn files_keyed_finds_exactly_that_key() {
+        let mut ix = EvictionIndex::default();
+        ix.set_next_use(1, NEVER);
+        ix.set_next_use(2, 7);
+        ix.set_next_use(3, NEVER);
+        ix.set_next_use(4, NEVER - 1);
+        assert_eq!(ix.files_keyed(NEVER), vec![1, 3]);
+        assert_eq!(ix.key(2), Some(7));
+        ix.set_next_use(3, 9);
+        assert_eq!(ix.files_keyed(NEVER), vec![1]);
+        assert_eq!(ix.key(5), None);
     }
 
     #[test]

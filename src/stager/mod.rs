@@ -31,7 +31,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::cache::{CacheDir, CopyError};
 use crate::catalog::{Catalog, FileId, Layout};
-use crate::plan::{Plan, Position, Tracker, TrackerMode, TrackerSettings};
+use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
 pub use source::{LocalSource, Source};
@@ -52,6 +52,9 @@ const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
 const RESYNC_EVERY: u64 = 4096;
 /// Positions a resynchronisation may scan in total (epochs × epoch length), to bound its CPU.
 const RESYNC_BUDGET: u64 = 200_000_000;
+/// Files rekeyed per hold of the state lock after a new epoch is planned: a few milliseconds
+/// of work, so opens never wait long behind a rekey of millions of cached files.
+const REKEY_CHUNK: usize = 16_384;
 
 #[derive(Clone, Debug)]
 pub struct StagerSettings {
@@ -120,6 +123,8 @@ struct State {
     opens_since_resync: u64,
     resync_running: bool,
     lost_reported: bool,
+    /// The cursor entered an epoch whose successor the planner has yet to prepare.
+    replan: bool,
 }
 
 struct Inner {
@@ -131,6 +136,8 @@ struct Inner {
     counters: Arc<Counters>,
     state: Mutex<State>,
     work: Condvar,
+    /// Wakes the planner thread (see [`Inner::planner`]).
+    plan_wanted: Condvar,
     shutdown: AtomicBool,
 }
 
@@ -171,7 +178,12 @@ impl Stager {
             opens_since_resync: 0,
             resync_running: false,
             lost_reported: false,
+            replan: false,
         };
+        if plan.predicts() {
+            // Epoch 0 is planned; the next one is the staging horizon from the start.
+            plan.epoch(1);
+        }
         for (file, size) in cache.reuse(&catalog) {
             state.files.insert(file, FileState::Cached);
             state.used += size;
@@ -194,6 +206,7 @@ impl Stager {
             counters,
             state: Mutex::new(state),
             work: Condvar::new(),
+            plan_wanted: Condvar::new(),
             shutdown: AtomicBool::new(false),
         });
         {
@@ -218,6 +231,13 @@ impl Stager {
                 .name("stage-sweep".into())
                 .spawn(move || sweeper.sweeper())
                 .expect("spawn sweeper"),
+        );
+        let planner = inner.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("stage-plan".into())
+                .spawn(move || planner.planner())
+                .expect("spawn planner"),
         );
         Stager { inner, threads }
     }
@@ -250,6 +270,8 @@ impl Stager {
 
     /// The job says it (re)starts at `epoch` (`setfattr -n user.stagefs.epoch`).
     pub fn set_epoch(&self, epoch: u64) {
+        // Planned before taking the lock: opens meanwhile go on.
+        self.inner.plan.epoch(epoch);
         let mut st = self.inner.state.lock();
         let pos = self.inner.plan.join(epoch, 0);
         self.inner.reposition(&mut st, pos);
@@ -281,6 +303,7 @@ impl Stager {
     pub fn shutdown(mut self) {
         self.inner.shutdown.store(true, Ordering::SeqCst);
         self.inner.work.notify_all();
+        self.inner.plan_wanted.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -388,8 +411,8 @@ impl Inner {
                     self.cursor_passed(st, from, to);
                 }
                 if st.tracker.epoch_position().0 != epoch_before {
-                    // A new epoch enters the horizon: every next use may have changed.
-                    self.rekey_all(st);
+                    // A new epoch enters the horizon: plan it and rekey, off this lock.
+                    self.plan_ahead(st);
                 } else if st.evict.contains(file) {
                     let next = self
                         .plan
@@ -453,6 +476,10 @@ impl Inner {
                 epochs.clone(),
                 inner.settings.tracker.window,
             );
+            if let Some(pos) = found {
+                // Planned before taking the lock: opens meanwhile go on.
+                inner.plan.epoch(inner.plan.split(pos).0);
+            }
             let mut st = inner.state.lock();
             st.resync_running = false;
             match found {
@@ -482,6 +509,51 @@ impl Inner {
         st.frontier = st.tracker.cursor();
         st.ahead_bytes = 0;
         self.rekey_all(st);
+        self.plan_ahead(st);
+    }
+
+    /// Asks the planner for the epoch after the cursor's (see [`Inner::planner`]).
+    fn plan_ahead(&self, st: &mut State) {
+        st.replan = true;
+        self.plan_wanted.notify_one();
+    }
+
+    /// Whenever the cursor enters an epoch: computes the plan of the next one and gives the
+    /// cached files that had no next use within the old horizon their use in it, all without
+    /// holding the state lock for long. Done inline, a 14 M-sample plan and the rekey of
+    /// millions of cached files would stall every open for seconds at each epoch boundary.
+    /// Until it is done, those files rank as not needed and the frontier stops at the boundary.
+    fn planner(self: Arc<Self>) {
+        let mut st = self.state.lock();
+        loop {
+            while !st.replan {
+                if self.shutdown.load(Ordering::SeqCst) {
+                    return;
+                }
+                self.plan_wanted.wait_for(&mut st, SWEEP_INTERVAL);
+            }
+            st.replan = false;
+            let epoch = st.tracker.epoch_position().0;
+            drop(st);
+            self.plan.forget_before(epoch);
+            self.plan.epoch(epoch + 1);
+            let unkeyed = self.state.lock().evict.files_keyed(NEVER);
+            for chunk in unkeyed.chunks(REKEY_CHUNK) {
+                let mut st = self.state.lock();
+                if st.tracker.mode() != TrackerMode::Predicting {
+                    break;
+                }
+                let cursor = st.tracker.cursor();
+                for &file in chunk {
+                    if st.evict.key(file) == Some(NEVER) {
+                        st.evict
+                            .set_next_use(file, self.plan.next_use(file, cursor));
+                    }
+                }
+            }
+            self.work.notify_all();
+            st = self.state.lock();
+        }
     }
 
     /// The cursor moved over [from, to): those files' next uses are now later, and the
@@ -644,7 +716,8 @@ impl Inner {
     fn frontier_to_copy(&self, st: &mut State) -> Option<(Position, FileId)> {
         while self.frontier_open(st) {
             let pos = st.frontier;
-            let file = self.plan.file_at(pos);
+            // An epoch still being planned: the planner wakes the workers when it is.
+            let file = self.plan.planned_file_at(pos)?;
             if file == Layout::NO_FILE {
                 st.frontier += 1;
                 continue;
