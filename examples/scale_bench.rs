@@ -5,64 +5,17 @@
 //! the file system, so "scan" times here are stagefs's own assembly cost; the real-disk scan,
 //! the mount and lookups through FUSE are measured by `tests/bench/scale_bench.sh`.
 
-use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stagefs::catalog::{
-    Catalog, DEFAULT_EXTENSIONS, Kind, Layout, LayoutKind, Lister, Scanned, index,
-};
+use stagefs::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind, index};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, Tracker, TrackerSettings};
 
-struct Synthetic {
-    files: u64,
-    classes: u64,
-}
-
-fn entry(name: String, kind: Kind, size: u64) -> Scanned {
-    Scanned {
-        name: OsString::from(name),
-        kind,
-        perm: 0o644,
-        uid: 1000,
-        gid: 1000,
-        size,
-        mtime_secs: 1_600_000_000,
-        mtime_nanos: 0,
-        link_target: None,
-    }
-}
-
-impl Lister for Synthetic {
-    fn root(&self) -> Scanned {
-        entry(String::new(), Kind::Directory, 0)
-    }
-
-    fn list(&self, dir: &Path) -> Vec<Scanned> {
-        if dir.as_os_str().is_empty() {
-            return (0..self.classes)
-                .map(|c| entry(format!("n{c:08}"), Kind::Directory, 0))
-                .collect();
-        }
-        let class: u64 = dir.to_str().unwrap()[1..].parse().unwrap();
-        // Spread files evenly; ImageNet-like names and sizes (~110 KB mean).
-        let (lo, hi) = (
-            class * self.files / self.classes,
-            (class + 1) * self.files / self.classes,
-        );
-        (lo..hi)
-            .map(|i| {
-                entry(
-                    format!("n{class:08}_{i}.JPEG"),
-                    Kind::File,
-                    20_000 + i * 2654435761 % 180_000,
-                )
-            })
-            .collect()
-    }
-}
+#[path = "common/synthetic.rs"]
+mod synthetic;
+use synthetic::Synthetic;
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -89,7 +42,8 @@ fn main() {
     println!("synthetic tree: {files} files in {classes} classes");
 
     let t = Instant::now();
-    let catalog = Catalog::scan_with(&root, &Synthetic { files, classes }, 2).unwrap();
+    let tree = Synthetic::imagenet_like(files, classes);
+    let catalog = Catalog::scan_with(&root, &tree, 2).unwrap();
     println!(
         "catalog built in {:.2?}: {} entries, {:.1} B/entry on the heap",
         t.elapsed(),
@@ -157,13 +111,7 @@ fn main() {
 
     // Lookups of random existing paths, as stat through the mount does per component.
     let paths: Vec<PathBuf> = (0..100_000u64)
-        .map(|k| {
-            let i = k.wrapping_mul(0x9E3779B97F4A7C15) % files;
-            let class = (0..classes)
-                .find(|&c| (c + 1) * files / classes > i)
-                .unwrap();
-            PathBuf::from(format!("n{class:08}/n{class:08}_{i}.JPEG"))
-        })
+        .map(|k| PathBuf::from(tree.path(k.wrapping_mul(0x9E3779B97F4A7C15) % files)))
         .collect();
     let t = Instant::now();
     let found = paths

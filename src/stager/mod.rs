@@ -52,9 +52,9 @@ const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
 const RESYNC_EVERY: u64 = 4096;
 /// Positions a resynchronisation may scan in total (epochs × epoch length), to bound its CPU.
 const RESYNC_BUDGET: u64 = 200_000_000;
-/// Files rekeyed per hold of the state lock after a new epoch is planned: a few milliseconds
+/// Files rekeyed per hold of the state lock after a new epoch is planned: about a millisecond
 /// of work, so opens never wait long behind a rekey of millions of cached files.
-const REKEY_CHUNK: usize = 16_384;
+const REKEY_CHUNK: usize = 2_048;
 
 #[derive(Clone, Debug)]
 pub struct StagerSettings {
@@ -550,6 +550,8 @@ impl Inner {
                             .set_next_use(file, self.plan.next_use(file, cursor));
                     }
                 }
+                // Waiting opens go before the next chunk.
+                MutexGuard::unlock_fair(st);
             }
             self.work.notify_all();
             st = self.state.lock();
