@@ -3,7 +3,12 @@
 //!
 //! Both shuffle with the same masked-rejection `interval()`, so it is written once over a
 //! small bit-source trait. The number of draws depends on the values drawn, so reaching
-//! epoch `e` means running the draws of epochs `0..e` (without building their arrays).
+//! epoch `e` means running the draws of epochs `0..e` (without building their arrays). The
+//! stream's state after the last epoch asked for is kept, so asking for epochs in order
+//! (the planner, one epoch after the other; a resynchronisation scanning epochs) costs one
+//! epoch's draws each instead of a replay from the start.
+
+use std::sync::{Mutex, PoisonError};
 
 use super::mt19937::Mt19937;
 use super::pcg64::Pcg64;
@@ -51,24 +56,88 @@ fn shuffle_draws<B: BitSource>(bits: &mut B, n: u64, mut swap: impl FnMut(usize,
     }
 }
 
-/// The `epoch`-th successive `permutation(n)` of one stream (epoch 0 is the first).
-fn nth_permutation<B: BitSource>(mut bits: B, n: u64, epoch: u64) -> Vec<u32> {
-    for _ in 0..epoch {
-        shuffle_draws(&mut bits, n, |_, _| {});
-    }
-    let mut a: Vec<u32> = (0..n).map(|i| i as u32).collect();
-    shuffle_draws(&mut bits, n, |i, j| a.swap(i, j));
-    a
+/// A stream seeded with `seed` after `done` permutations of `n`.
+struct Checkpoint<B> {
+    seed: u64,
+    n: u64,
+    done: u64,
+    bits: B,
 }
+
+/// Streams kept: enough for the planner, a resynchronisation and a user's `stagefs order`
+/// at once (an MT19937 state is 5 KB).
+const CHECKPOINTS: usize = 4;
+
+/// Where recent streams stood, per generator kind.
+struct Checkpoints<B>(Mutex<Vec<Checkpoint<B>>>);
+
+impl<B: BitSource + Clone> Checkpoints<B> {
+    const fn new() -> Self {
+        Checkpoints(Mutex::new(Vec::new()))
+    }
+
+    /// The `epoch`-th successive `permutation(n)` of the stream `fresh` starts (epoch 0 is the
+    /// first), resumed from the latest checkpoint at or before it.
+    fn nth_permutation(
+        &self,
+        seed: u64,
+        n: u64,
+        epoch: u64,
+        fresh: impl FnOnce() -> B,
+    ) -> Vec<u32> {
+        let resume = self
+            .lock()
+            .iter()
+            .filter(|c| c.seed == seed && c.n == n && c.done <= epoch)
+            .max_by_key(|c| c.done)
+            .map(|c| (c.done, c.bits.clone()));
+        let (mut done, mut bits) = resume.unwrap_or_else(|| (0, fresh()));
+        while done < epoch {
+            shuffle_draws(&mut bits, n, |_, _| {});
+            done += 1;
+        }
+        let mut a: Vec<u32> = (0..n).map(|i| i as u32).collect();
+        shuffle_draws(&mut bits, n, |i, j| a.swap(i, j));
+        self.remember(Checkpoint {
+            seed,
+            n,
+            done: epoch + 1,
+            bits,
+        });
+        a
+    }
+
+    /// Keeps `new`, replacing an older point of the same stream, else the least advanced.
+    fn remember(&self, new: Checkpoint<B>) {
+        let mut kept = self.lock();
+        let same = kept.iter().position(|c| c.seed == new.seed && c.n == new.n);
+        match same {
+            Some(i) if kept[i].done < new.done => kept[i] = new,
+            Some(_) => {}
+            None if kept.len() < CHECKPOINTS => kept.push(new),
+            None => {
+                let least = (0..kept.len()).min_by_key(|&i| kept[i].done).unwrap_or(0);
+                kept[least] = new;
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Checkpoint<B>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+static LEGACY: Checkpoints<Mt19937> = Checkpoints::new();
+static GENERATOR: Checkpoints<Pcg64> = Checkpoints::new();
 
 /// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`.
 pub fn legacy_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
-    nth_permutation(Mt19937::new(seed), n, epoch)
+    LEGACY.nth_permutation(u64::from(seed), n, epoch, || Mt19937::new(seed))
 }
 
 /// `rng = np.random.default_rng(seed)`, then the `epoch`-th `rng.permutation(n)`.
 pub fn generator_order(seed: u64, n: u64, epoch: u64) -> Vec<u32> {
-    nth_permutation(Pcg64::from_seed(seed), n, epoch)
+    GENERATOR.nth_permutation(seed, n, epoch, || Pcg64::from_seed(seed))
 }
 
 #[cfg(test)]
@@ -111,6 +180,31 @@ mod tests {
             legacy_order(u32::MAX, 12, 0),
             [11, 8, 5, 9, 1, 10, 6, 0, 4, 7, 2, 3]
         );
+    }
+
+    /// The `epoch`-th legacy permutation replayed from a fresh stream, no checkpoint involved.
+    fn replayed(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
+        let mut bits = Mt19937::new(seed);
+        for _ in 0..epoch {
+            shuffle_draws(&mut bits, n, |_, _| {});
+        }
+        let mut a: Vec<u32> = (0..n as u32).collect();
+        shuffle_draws(&mut bits, n, |i, j| a.swap(i, j));
+        a
+    }
+
+    #[test]
+    fn epochs_in_any_order_match_a_replay_from_the_start() {
+        // Forward (resumes), backward (falls back to the start), repeated, and a gap.
+        for epoch in [0, 1, 2, 5, 3, 3, 0, 9, 4] {
+            assert_eq!(
+                legacy_order(77, 300, epoch),
+                replayed(77, 300, epoch),
+                "epoch {epoch}"
+            );
+        }
+        // Another length of the same seed is another stream.
+        assert_eq!(legacy_order(77, 10, 1), replayed(77, 10, 1));
     }
 
     #[test]

@@ -52,6 +52,7 @@ fn seed_sequence_state(seed: u64) -> [u64; 4] {
 }
 
 /// numpy's PCG64 bit generator.
+#[derive(Clone)]
 pub struct Pcg64 {
     state: u128,
     inc: u128,

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""What each open of a cached file costs through the mount (run by hand as root, not in CI).
+
+Usage: tests/bench/open_bench.py [--files N] [--readers 1,2,8] [--binary PATH]
+
+A synthetic ImageFolder of ~110 KB files on local disk is mounted and staged completely; then
+each measurement reads every file once (open, read to the end, close), alternating between the
+source directory ("direct") and the mount, median of three rounds:
+
+- `os.open` loop: the system calls a C reader makes (FUSE: OPEN, and RELEASE after close);
+- Python `open()` loop: what torchvision's loader does (adds fstat and the TCGETS ioctl of
+  isatty, hence a GETATTR and an IOCTL round trip);
+- warm (files in the page cache) and cold (page cache dropped, as for a dataset larger than
+  memory), with several reader threads;
+- pinned: the Python loop with the reader and the daemon on one CPU, then on different CPUs,
+  which shows how much of a round trip is waking an idle CPU.
+"""
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+
+def make_dataset(root, files):
+    for i in range(files):
+        d = os.path.join(root, "class%03d" % (i % 50))
+        os.makedirs(d, exist_ok=True)
+        size = 20_000 + (i * 2654435761 % 180_000) + (100_000 if i % 7 == 0 else 0)
+        with open(os.path.join(d, "img%06d.jpg" % i), "wb") as f:
+            f.write(os.urandom(size))
+
+
+def drop_caches():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def python_reader(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+def syscall_reader(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        while os.read(fd, 1 << 20):
+            pass
+        os.close(fd)
+
+
+def timed(reader, paths, threads):
+    """Microseconds per file with `threads` readers splitting the files."""
+    parts = [paths[k::threads] for k in range(threads)]
+    workers = [threading.Thread(target=reader, args=(part,)) for part in parts]
+    start = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return (time.monotonic() - start) * 1e6 / len(paths)
+
+
+def compare(rel, source, mnt, reader, threads, cold):
+    """(direct, mount) median microseconds per file over three alternating rounds."""
+    results = {"direct": [], "mount": []}
+    for _ in range(3):
+        for name, root in (("direct", source), ("mount", mnt)):
+            paths = [os.path.join(root, p) for p in rel]
+            if cold:
+                drop_caches()
+            else:
+                timed(reader, paths, threads)
+            results[name].append(timed(reader, paths, threads))
+    return statistics.median(results["direct"]), statistics.median(results["mount"])
+
+
+def report(label, direct, mount):
+    print("%-44s direct %7.1f us  mount %7.1f us  +%6.1f us/file  ratio %.3f" % (
+        label, direct, mount, mount - direct, direct / mount), flush=True)
+
+
+def pinned(rel, mnt, daemon_pid, reader_cpu, daemon_cpu):
+    """Python-loop microseconds per file with the reader and the daemon pinned."""
+    subprocess.run(["taskset", "-a", "-p", "-c", str(daemon_cpu), str(daemon_pid)],
+                   check=True, capture_output=True)
+    os.sched_setaffinity(0, {reader_cpu})
+    try:
+        paths = [os.path.join(mnt, p) for p in rel]
+        timed(python_reader, paths, 1)
+        return statistics.median(timed(python_reader, paths, 1) for _ in range(3))
+    finally:
+        every = set(range(os.cpu_count()))
+        os.sched_setaffinity(0, every)
+        subprocess.run(["taskset", "-a", "-p", "-c", "0-%d" % (os.cpu_count() - 1), str(daemon_pid)],
+                       check=True, capture_output=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=3000)
+    ap.add_argument("--readers", default="1,2,8")
+    ap.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "../../target/release/stagefs"))
+    args = ap.parse_args()
+    binary = os.path.abspath(args.binary)
+    work = tempfile.mkdtemp(prefix="stagefs-open.", dir="/var/tmp")
+    source, mnt, cache = (os.path.join(work, d) for d in ("source", "mnt", "cache"))
+    os.makedirs(mnt)
+    make_dataset(source, args.files)
+    subprocess.run([binary, "mount", source, mnt, "--cache", cache], check=True)
+    try:
+        rel = subprocess.run([binary, "order", "--source", source, "--paths"], check=True,
+                             capture_output=True, text=True).stdout.split()
+        syscall_reader([os.path.join(mnt, p) for p in rel])  # stages every file
+        stats = subprocess.run(["getfattr", "--only-values", "-n", "user.stagefs.stats", mnt],
+                               check=True, capture_output=True, text=True).stdout
+        print("%d files of ~110 KB, all cached; passthrough: %s" % (
+            len(rel), '"passthrough":true' in stats.replace(" ", "")), flush=True)
+        for cold in (False, True):
+            for threads in (int(t) for t in args.readers.split(",")):
+                for name, reader in (("os.open", syscall_reader), ("Python open", python_reader)):
+                    label = "%s, %s, %d reader%s" % (name, "cold" if cold else "warm", threads,
+                                                      "" if threads == 1 else "s")
+                    report(label, *compare(rel, source, mnt, reader, threads, cold))
+        if os.cpu_count() >= 2:
+            pid = int(subprocess.run(["pgrep", "-f", "stagefs mount %s " % source], check=True,
+                                     capture_output=True, text=True).stdout.split()[0])
+            same = pinned(rel, mnt, pid, 0, 0)
+            other = pinned(rel, mnt, pid, 0, 1)
+            print("Python open, warm, reader and daemon on one CPU: %.1f us/file; on two: %.1f us/file"
+                  % (same, other), flush=True)
+    finally:
+        subprocess.run([binary, "unmount", mnt], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
