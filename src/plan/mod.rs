@@ -6,7 +6,7 @@
 //! stager can ask "when is this file next needed?", the question Belady eviction runs on.
 //!
 //! Epochs are computed on demand and only a few are kept: the run is never materialised.
-//! Computing one takes long at scale (about a second for 14 M samples), so the stager plans
+//! Computing one takes long at scale (up to seconds for 14 M samples), so the stager plans
 //! the next epoch off its lock and asks [`Plan::planned`], which never computes.
 
 mod tracker;
