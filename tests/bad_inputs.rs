@@ -204,6 +204,11 @@ const COMMAND_LINES: &[Case] = &[
         "stagefs: --list-file @W/l.txt line 3: '/etc/passwd' is absolute",
     ),
     scanned(
+        "mount --sampler numpy-legacy --epoch 5000000000000",
+        &[],
+        "stagefs: epoch 5000000000000 of numpy-legacy means replaying the random draws of every earlier epoch",
+    ),
+    scanned(
         LIST,
         &[("l.txt", "c1/a.jpg\nc1/b.jpg\nc1/nope.jpg\n")],
         "stagefs: --list-file @W/l.txt line 3: 'c1/nope.jpg' does not exist in the source",
@@ -536,6 +541,29 @@ fn junk_xattr_writes_get_errno_and_change_nothing() {
     assert_eq!(set_xattr(&m.mnt, "user.stagefs.epoch", b" 2\n"), Ok(()));
     assert_eq!(m.stat("epoch"), 2);
     assert!(!m.log_text().contains("panicked"), "{}", m.log_text());
+}
+
+/// An epoch a replaying sampler would need hours to reach is refused at once with a log line,
+/// not computed while `setfattr` hangs.
+#[test]
+fn a_far_epoch_of_a_replaying_sampler_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = source_tree(tmp.path());
+    let m = TestMount::new(&src, tmp.path(), &["--sampler", "numpy-legacy"]);
+    assert_eq!(
+        set_xattr(&m.mnt, "user.stagefs.epoch", b"1000000000000"),
+        Err(libc::EINVAL)
+    );
+    assert_eq!(m.stat("epoch"), 0);
+    assert!(
+        m.log_text().contains(
+            "user.stagefs.epoch not changed: epoch 1000000000000 of numpy-legacy means replaying"
+        ),
+        "{}",
+        m.log_text()
+    );
+    assert_eq!(set_xattr(&m.mnt, "user.stagefs.epoch", b"3"), Ok(()));
+    assert_eq!(m.stat("epoch"), 3);
 }
 
 /// The awkward tree of [`source_tree`] mounts and reads: the non-UTF-8 name byte for byte,

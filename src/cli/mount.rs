@@ -685,6 +685,8 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let sampler_name = format!("{}", sampler.kind);
     let plan =
         Arc::new(Plan::new(sampler, ranks, layout, catalog.len()).map_err(|e| e.to_string())?);
+    plan.check_epoch_reachable(args.epoch)
+        .map_err(|e| e.to_string())?;
     let cache = CacheDir::open(&cache_root, &source).map_err(|e| e.to_string())?;
     if scanned {
         // Kept for the next mount of this cache; written off the start-up path.

@@ -9,8 +9,9 @@
 //!   the daemon's process id (`stagefs unmount` waits for it to exit).
 //! - root, writable: `user.stagefs.epoch` = the epoch the job (re)starts at, in decimal. A value
 //!   that is not a plain non-negative integer (or one so large that its positions would not fit
-//!   in 64 bits), or any epoch when the sampler predicts nothing (`--sampler none`), gets EINVAL
-//!   and changes nothing; so does writing any other `user.stagefs.*` name. Other names: EROFS.
+//!   in 64 bits, or so far that a replaying sampler would need minutes to get there), or any
+//!   epoch when the sampler predicts nothing (`--sampler none`), gets EINVAL and changes
+//!   nothing; so does writing any other `user.stagefs.*` name. Other names: EROFS.
 //! - a file: `user.stagefs.state` = `cached`, `staging` or `remote`.
 //! - a directory: `user.stagefs.state` = `N/M cached` for the M regular files of its whole
 //!   subtree (the root's answer covers the dataset).
@@ -230,8 +231,16 @@ pub(super) fn set(fs: &StageFs, id: FileId, name: &OsStr, value: &[u8], reply: R
     let epoch_len = stager.gauges().epoch_len;
     match parse_epoch(value) {
         Some(epoch) if stager.plan_predicts() && epoch_fits(epoch, epoch_len) => {
-            stager.set_epoch(epoch);
-            reply.ok();
+            match stager.check_epoch(epoch) {
+                Ok(()) => {
+                    stager.set_epoch(epoch);
+                    reply.ok();
+                }
+                Err(e) => {
+                    log::warn!("user.stagefs.epoch not changed: {e}");
+                    reply.error(Errno::EINVAL);
+                }
+            }
         }
         _ => reply.error(Errno::EINVAL),
     }

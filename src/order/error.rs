@@ -41,6 +41,14 @@ pub enum OrderError {
     )]
     SeedPlusEpochOverflow { seed: i128, epoch: u64 },
     #[error(
+        "epoch {epoch} of {sampler} means replaying the random draws of every earlier epoch ({words} draws, minutes of CPU); check the epoch"
+    )]
+    EpochTooFar {
+        epoch: u64,
+        sampler: SamplerKind,
+        words: u128,
+    },
+    #[error(
         "torch {version} is not supported by {sampler} (it behaved differently before {since}); give --torch-version {since} or newer"
     )]
     UnsupportedTorchVersion {

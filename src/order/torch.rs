@@ -19,7 +19,7 @@ fn inside_out(n: u64, version: TorchVersion) -> bool {
 }
 
 /// How many 32-bit outputs one `randperm(n)` consumes.
-fn randperm_draws(n: u64, version: TorchVersion) -> u64 {
+pub(super) fn randperm_draws(n: u64, version: TorchVersion) -> u64 {
     if inside_out(n, version) {
         2 * n
     } else {

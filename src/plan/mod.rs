@@ -167,6 +167,13 @@ impl Plan {
         &self.ranks
     }
 
+    /// Refuses an epoch that would take minutes of replaying to plan (see
+    /// [`SamplerConfig::check_epoch_reachable`]).
+    pub fn check_epoch_reachable(&self, epoch: u64) -> Result<(), OrderError> {
+        self.sampler
+            .check_epoch_reachable(self.layout.len() as u64, epoch)
+    }
+
     /// The plan of `epoch`, computed on first use and kept among the last few. Single-flight:
     /// a caller asking for an epoch another thread is computing waits for that result.
     pub fn epoch(&self, epoch: u64) -> Arc<EpochPlan> {

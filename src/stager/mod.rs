@@ -268,6 +268,11 @@ impl Stager {
         self.inner.plan.predicts()
     }
 
+    /// Why the job cannot be moved to `epoch`, if planning it would take minutes.
+    pub fn check_epoch(&self, epoch: u64) -> Result<(), crate::order::OrderError> {
+        self.inner.plan.check_epoch_reachable(epoch)
+    }
+
     /// The job says it (re)starts at `epoch` (`setfattr -n user.stagefs.epoch`).
     pub fn set_epoch(&self, epoch: u64) {
         // Planned before taking the lock: opens meanwhile go on.
