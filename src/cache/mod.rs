@@ -410,6 +410,15 @@ fn remove_tree(path: &Path) -> Result<(), CacheError> {
 /// Writes `bytes` to `path` via a temporary file and rename, so readers see the old or the
 /// new content, never a mix. `mode` is the new file's permission bits (before the umask).
 pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_atomically_with(path, mode, |mut f| f.write_all(bytes))
+}
+
+/// [`write_atomically`] for content that `write` streams into the temporary file.
+pub fn write_atomically_with(
+    path: &Path,
+    mode: u32,
+    write: impl FnOnce(&File) -> io::Result<()>,
+) -> io::Result<()> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let result = OpenOptions::new()
         .write(true)
@@ -417,7 +426,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> 
         .truncate(true)
         .mode(mode)
         .open(&tmp)
-        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|f| write(&f))
         .and_then(|_| fs::rename(&tmp, path));
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

@@ -13,6 +13,8 @@
 //! [`ENTRY_BYTES`] each, the name arena, owners, symlink targets, then SHA-256 of all before.
 
 use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -60,68 +62,100 @@ pub enum IndexError {
     Stale { path: PathBuf, what: String },
 }
 
-/// Serialises `catalog` into the index format.
-pub fn encode(catalog: &Catalog) -> Vec<u8> {
-    let mut out =
-        Vec::with_capacity(64 + catalog.entries.len() * ENTRY_BYTES + catalog.names.len());
-    out.extend_from_slice(MAGIC);
-    put_u32(&mut out, VERSION);
+/// Writes `catalog` in the index format to `out`, streaming: the index of 14 M files is
+/// about 1 GB, which must not be built in memory next to the catalog.
+fn encode_to(catalog: &Catalog, out: impl Write) -> io::Result<()> {
+    let mut w = Hashing {
+        inner: out,
+        hasher: Sha256::new(),
+    };
+    w.write_all(MAGIC)?;
+    w.write_all(&VERSION.to_le_bytes())?;
     let source = catalog.root_path.as_os_str().as_bytes();
-    put_u32(&mut out, source.len() as u32);
-    out.extend_from_slice(source);
-    put_u32(&mut out, catalog.entries.len() as u32);
-    put_u64(&mut out, catalog.names.len() as u64);
-    put_u32(&mut out, catalog.owners.len() as u32);
-    put_u32(&mut out, catalog.link_targets.len() as u32);
+    w.write_all(&(source.len() as u32).to_le_bytes())?;
+    w.write_all(source)?;
+    w.write_all(&(catalog.entries.len() as u32).to_le_bytes())?;
+    w.write_all(&(catalog.names.len() as u64).to_le_bytes())?;
+    w.write_all(&(catalog.owners.len() as u32).to_le_bytes())?;
+    w.write_all(&(catalog.link_targets.len() as u32).to_le_bytes())?;
     for e in &catalog.entries {
-        put_u32(&mut out, e.parent);
-        put_u32(&mut out, e.name_offset);
-        out.push(e.name_len);
-        out.push(match e.kind {
-            Kind::Directory => 0,
-            Kind::File => 1,
-            Kind::Symlink => 2,
-        });
-        out.extend_from_slice(&e.perm.to_le_bytes());
-        put_u32(&mut out, e.owner);
-        put_u64(&mut out, e.size);
-        out.extend_from_slice(&e.mtime_secs.to_le_bytes());
-        put_u32(&mut out, e.mtime_nanos);
-        put_u32(&mut out, e.first_child);
-        put_u32(&mut out, e.child_count);
+        w.write_all(&entry_bytes(e))?;
     }
-    out.extend_from_slice(&catalog.names);
+    w.write_all(&catalog.names)?;
     for &(uid, gid) in &catalog.owners {
-        put_u32(&mut out, uid);
-        put_u32(&mut out, gid);
+        w.write_all(&uid.to_le_bytes())?;
+        w.write_all(&gid.to_le_bytes())?;
     }
     for (id, target) in &catalog.link_targets {
-        put_u32(&mut out, *id);
-        put_u32(&mut out, target.len() as u32);
-        out.extend_from_slice(target.as_bytes());
+        w.write_all(&id.to_le_bytes())?;
+        w.write_all(&(target.len() as u32).to_le_bytes())?;
+        w.write_all(target.as_bytes())?;
     }
-    let digest = Sha256::digest(&out);
-    out.extend_from_slice(&digest);
-    out
+    let digest = w.hasher.finalize();
+    w.inner.write_all(&digest)?;
+    w.inner.flush()
+}
+
+/// One entry as [`ENTRY_BYTES`] bytes.
+fn entry_bytes(e: &Entry) -> [u8; ENTRY_BYTES] {
+    let mut b = [0u8; ENTRY_BYTES];
+    b[0..4].copy_from_slice(&e.parent.to_le_bytes());
+    b[4..8].copy_from_slice(&e.name_offset.to_le_bytes());
+    b[8] = e.name_len;
+    b[9] = match e.kind {
+        Kind::Directory => 0,
+        Kind::File => 1,
+        Kind::Symlink => 2,
+    };
+    b[10..12].copy_from_slice(&e.perm.to_le_bytes());
+    b[12..16].copy_from_slice(&e.owner.to_le_bytes());
+    b[16..24].copy_from_slice(&e.size.to_le_bytes());
+    b[24..32].copy_from_slice(&e.mtime_secs.to_le_bytes());
+    b[32..36].copy_from_slice(&e.mtime_nanos.to_le_bytes());
+    b[36..40].copy_from_slice(&e.first_child.to_le_bytes());
+    b[40..44].copy_from_slice(&e.child_count.to_le_bytes());
+    b
+}
+
+/// A writer that hashes what passes through it.
+struct Hashing<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Writes the index for `catalog` to `path` atomically (temp file + rename).
 pub fn save(catalog: &Catalog, path: &Path) -> Result<(), IndexError> {
-    crate::cache::write_atomically(path, &encode(catalog), 0o600).map_err(|source| {
-        IndexError::Write {
-            path: path.to_path_buf(),
-            source,
-        }
+    crate::cache::write_atomically_with(path, 0o600, |file| {
+        encode_to(catalog, BufWriter::new(file))
+    })
+    .map_err(|source| IndexError::Write {
+        path: path.to_path_buf(),
+        source,
     })
 }
 
-/// Loads and verifies an index file made for `source` (its canonical path).
+/// Loads and verifies an index file made for `source` (its canonical path), streaming: peak
+/// memory is the catalog itself, not the file next to it.
 pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
-    let bytes = std::fs::read(path).map_err(|e| IndexError::Read {
+    let read_err = |e| IndexError::Read {
         path: path.to_path_buf(),
         source: e,
-    })?;
-    let catalog = decode(&bytes).map_err(|reason| match reason {
+    };
+    let file = File::open(path).map_err(read_err)?;
+    let len = file.metadata().map_err(read_err)?.len();
+    let catalog = decode_from(BufReader::new(file), len).map_err(|reason| match reason {
         DecodeError::Version(found) => IndexError::Version {
             path: path.to_path_buf(),
             found,
@@ -130,6 +164,7 @@ pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
             path: path.to_path_buf(),
             reason,
         },
+        DecodeError::Io(e) => read_err(e),
     })?;
     if catalog.root_path != source {
         return Err(IndexError::OtherSource {
@@ -145,31 +180,35 @@ pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
 pub enum DecodeError {
     Version(u32),
     Corrupt(String),
+    Io(io::Error),
 }
 
-/// Parses and structurally validates index bytes. Never panics on any input.
-pub fn decode(bytes: &[u8]) -> Result<Catalog, DecodeError> {
-    let corrupt = |s: &str| DecodeError::Corrupt(s.to_string());
-    if bytes.len() < MAGIC.len() + 4 || &bytes[..MAGIC.len()] != MAGIC {
+fn corrupt(reason: &str) -> DecodeError {
+    DecodeError::Corrupt(reason.to_string())
+}
+
+/// Parses and structurally validates an index of `len` bytes read from `input`. Never panics
+/// on any input; allocates only what the file's length can back. Parsing runs while the
+/// checksum accumulates, so a corrupt file may be refused for what it contains before its
+/// checksum is compared at the end: either way nothing of it is used.
+pub fn decode_from(input: impl Read, len: u64) -> Result<Catalog, DecodeError> {
+    if len < (MAGIC.len() + 4 + DIGEST_BYTES) as u64 {
         return Err(corrupt("no stagefs index header"));
     }
-    let mut r = Reader {
-        bytes,
-        pos: MAGIC.len(),
+    let mut r = Checked {
+        inner: input,
+        hasher: Sha256::new(),
+        left: len - DIGEST_BYTES as u64,
     };
+    if &r.array::<16>()? != MAGIC {
+        return Err(corrupt("no stagefs index header"));
+    }
     let version = r.u32()?;
     if version != VERSION {
         return Err(DecodeError::Version(version));
     }
-    if bytes.len() < DIGEST_BYTES
-        || Sha256::digest(&bytes[..bytes.len() - DIGEST_BYTES])[..]
-            != bytes[bytes.len() - DIGEST_BYTES..]
-    {
-        return Err(corrupt("checksum mismatch"));
-    }
-    r.bytes = &bytes[..bytes.len() - DIGEST_BYTES];
     let source_len = r.u32()? as usize;
-    let root_path = PathBuf::from(OsString::from_vec(r.take(source_len)?.to_vec()));
+    let root_path = PathBuf::from(OsString::from_vec(r.take(source_len)?));
     let count = r.u32()? as usize;
     let names_len = usize::try_from(r.u64()?).map_err(|_| corrupt("name arena too large"))?;
     let owners_count = r.u32()? as usize;
@@ -183,37 +222,9 @@ pub fn decode(bytes: &[u8]) -> Result<Catalog, DecodeError> {
     }
     let mut entries = Vec::with_capacity(count);
     for _ in 0..count {
-        let parent = r.u32()?;
-        let name_offset = r.u32()?;
-        let name_len = r.u8()?;
-        let kind = match r.u8()? {
-            0 => Kind::Directory,
-            1 => Kind::File,
-            2 => Kind::Symlink,
-            _ => return Err(corrupt("unknown entry kind")),
-        };
-        let perm = r.u16()?;
-        let owner = r.u32()?;
-        let size = r.u64()?;
-        let mtime_secs = r.i64()?;
-        let mtime_nanos = r.u32()?;
-        let first_child = r.u32()?;
-        let child_count = r.u32()?;
-        entries.push(Entry {
-            parent,
-            name_offset,
-            name_len,
-            kind,
-            perm,
-            owner,
-            size,
-            mtime_secs,
-            mtime_nanos,
-            first_child,
-            child_count,
-        });
+        entries.push(parse_entry(&r.array::<ENTRY_BYTES>()?)?);
     }
-    let names = r.take(names_len)?.to_vec();
+    let names = r.take(names_len)?;
     let mut owners = Vec::with_capacity(owners_count.min(r.remaining() / 8));
     for _ in 0..owners_count {
         owners.push((r.u32()?, r.u32()?));
@@ -222,11 +233,12 @@ pub fn decode(bytes: &[u8]) -> Result<Catalog, DecodeError> {
     for _ in 0..links_count {
         let id = r.u32()?;
         let len = r.u32()? as usize;
-        link_targets.push((id, OsString::from_vec(r.take(len)?.to_vec())));
+        link_targets.push((id, OsString::from_vec(r.take(len)?)));
     }
     if r.remaining() != 0 {
         return Err(corrupt("trailing bytes"));
     }
+    r.check_digest()?;
     let mut catalog = Catalog {
         root_path,
         entries,
@@ -238,6 +250,29 @@ pub fn decode(bytes: &[u8]) -> Result<Catalog, DecodeError> {
     };
     validate(&mut catalog).map_err(DecodeError::Corrupt)?;
     Ok(catalog)
+}
+
+fn parse_entry(b: &[u8; ENTRY_BYTES]) -> Result<Entry, DecodeError> {
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    Ok(Entry {
+        parent: u32_at(0),
+        name_offset: u32_at(4),
+        name_len: b[8],
+        kind: match b[9] {
+            0 => Kind::Directory,
+            1 => Kind::File,
+            2 => Kind::Symlink,
+            _ => return Err(corrupt("unknown entry kind")),
+        },
+        perm: u16::from_le_bytes([b[10], b[11]]),
+        owner: u32_at(12),
+        size: u64_at(16),
+        mtime_secs: u64_at(24) as i64,
+        mtime_nanos: u32_at(32),
+        first_child: u32_at(36),
+        child_count: u32_at(40),
+    })
 }
 
 /// Checks the invariants lookup and readdir rely on, and recomputes the totals.
@@ -360,65 +395,78 @@ pub fn check_fresh(catalog: &Catalog, index_path: &Path, threads: usize) -> Resu
     }
 }
 
-fn put_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_le_bytes());
+/// Reads the index body from a stream, hashing it, never past the digest at its end.
+struct Checked<R> {
+    inner: R,
+    hasher: Sha256,
+    /// Body bytes not read yet.
+    left: u64,
 }
 
-fn put_u64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
+impl<R: Read> Checked<R> {
     fn remaining(&self) -> usize {
-        self.bytes.len().saturating_sub(self.pos)
+        usize::try_from(self.left).unwrap_or(usize::MAX)
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if n > self.remaining() {
-            return Err(DecodeError::Corrupt("truncated".into()));
+    fn fill(&mut self, buf: &mut [u8]) -> Result<(), DecodeError> {
+        if buf.len() as u64 > self.left {
+            return Err(corrupt("truncated"));
         }
-        let out = &self.bytes[self.pos..self.pos + n];
-        self.pos += n;
+        self.inner.read_exact(buf).map_err(DecodeError::Io)?;
+        self.hasher.update(&*buf);
+        self.left -= buf.len() as u64;
+        Ok(())
+    }
+
+    /// `n` bytes; `n` is checked against the file's length before anything is allocated.
+    fn take(&mut self, n: usize) -> Result<Vec<u8>, DecodeError> {
+        if n as u64 > self.left {
+            return Err(corrupt("truncated"));
+        }
+        let mut out = vec![0u8; n];
+        self.fill(&mut out)?;
         Ok(out)
     }
 
-    fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
-    }
-
-    fn u16(&mut self) -> Result<u16, DecodeError> {
-        Ok(u16::from_le_bytes(
-            self.take(2)?.try_into().expect("2 bytes"),
-        ))
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut out = [0u8; N];
+        self.fill(&mut out)?;
+        Ok(out)
     }
 
     fn u32(&mut self) -> Result<u32, DecodeError> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32::from_le_bytes(self.array()?))
     }
 
     fn u64(&mut self) -> Result<u64, DecodeError> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
+        Ok(u64::from_le_bytes(self.array()?))
     }
 
-    fn i64(&mut self) -> Result<i64, DecodeError> {
-        Ok(i64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
+    /// Compares the digest that ends the file with what was read.
+    fn check_digest(self) -> Result<(), DecodeError> {
+        let mut stored = [0u8; DIGEST_BYTES];
+        let mut inner = self.inner;
+        inner.read_exact(&mut stored).map_err(DecodeError::Io)?;
+        if self.hasher.finalize()[..] != stored {
+            return Err(corrupt("checksum mismatch"));
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn encode(catalog: &Catalog) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_to(catalog, &mut out).unwrap();
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Catalog, DecodeError> {
+        decode_from(bytes, bytes.len() as u64)
+    }
 
     fn sample() -> (tempfile::TempDir, Catalog) {
         let dir = tempfile::tempdir().unwrap();
