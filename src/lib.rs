@@ -12,6 +12,7 @@ pub mod cache;
 pub mod catalog;
 pub mod cli;
 pub mod fs;
+pub mod input;
 pub mod order;
 pub mod plan;
 pub mod stager;

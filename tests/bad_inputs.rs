@@ -247,6 +247,14 @@ const COMMAND_LINES: &[Case] = &[
         "mount --sampler list --order-file @W/none.txt",
         "stagefs: cannot read order file @W/none.txt: No such file or directory",
     ),
+    early(
+        "mount --sampler list --order-file /dev/zero",
+        "stagefs: cannot read order file /dev/zero: it is a device or socket, not a file: give a file or a pipe",
+    ),
+    early(
+        "mount --layout list --list-file /dev/zero",
+        "stagefs: cannot read --list-file /dev/zero: it is a device or socket, not a file",
+    ),
     early_with(
         ORDER,
         &[("o.txt", "0\n1\nabc\n")],

@@ -276,7 +276,7 @@ pub fn check_list_file(path: &Path) -> Result<(), LayoutError> {
 }
 
 fn read_list(path: &Path) -> Result<Vec<u8>, LayoutError> {
-    std::fs::read(path).map_err(|source| LayoutError::ListUnreadable {
+    crate::input::read(path).map_err(|source| LayoutError::ListUnreadable {
         path: path.to_path_buf(),
         source,
     })

@@ -11,9 +11,16 @@ const MAX_RANKS: u64 = 1 << 16;
 /// Reads an `--order-file`: one decimal index per line; blank lines and `#` comments (whole
 /// line or after the index) are ignored. Errors name the file or the line.
 pub fn parse_order_file(path: &Path) -> Result<Vec<u32>, OrderError> {
-    let text = std::fs::read_to_string(path).map_err(|source| OrderError::OrderFileRead {
+    let read_err = |source| OrderError::OrderFileRead {
         path: path.to_owned(),
         source,
+    };
+    let bytes = crate::input::read(path).map_err(read_err)?;
+    let text = String::from_utf8(bytes).map_err(|_| {
+        read_err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "it is not UTF-8 text",
+        ))
     })?;
     parse_order_text(&text)
 }
@@ -87,6 +94,15 @@ pub fn parse_ranks(s: &str) -> Result<Vec<u32>, OrderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_order_file_that_is_not_text_is_one_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("o.txt");
+        std::fs::write(&path, b"0\n\xe9\n").unwrap();
+        let err = parse_order_file(&path).unwrap_err().to_string();
+        assert!(err.ends_with("o.txt: it is not UTF-8 text"), "{err}");
+    }
 
     #[test]
     fn order_text_accepts_blanks_comments_and_crlf() {
