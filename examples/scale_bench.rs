@@ -13,38 +13,12 @@ use stagefs::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind, index};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, Tracker, TrackerSettings};
 
+#[path = "common/memory.rs"]
+mod memory;
 #[path = "common/synthetic.rs"]
 mod synthetic;
+use memory::{peak_rss_bytes, reset_peak, rss_bytes};
 use synthetic::Synthetic;
-
-/// Resident memory now.
-fn rss_bytes() -> u64 {
-    status_bytes("VmRSS:")
-}
-
-/// Peak resident memory since the last [`reset_peak`].
-fn peak_rss_bytes() -> u64 {
-    status_bytes("VmHWM:")
-}
-
-fn reset_peak() {
-    // "5" resets the peak RSS the kernel reports as VmHWM (proc(5), clear_refs).
-    std::fs::write("/proc/self/clear_refs", "5").unwrap();
-}
-
-fn status_bytes(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    kb * 1024
-}
 
 fn main() {
     let args: Vec<u64> = std::env::args()

@@ -81,13 +81,32 @@ pub struct Opened {
 pub type OpenResult = Result<Opened, i32>;
 pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 enum FileState {
+    #[default]
     Remote,
     /// In the urgent queue, not started.
     Queued,
     Staging,
     Cached,
+}
+
+/// Every file's state, one byte per catalog id (a hash map took about 20 bytes per file once
+/// millions were cached).
+#[derive(Default)]
+struct FileStates(Vec<FileState>);
+
+impl FileStates {
+    fn get(&self, file: FileId) -> FileState {
+        self.0.get(file as usize).copied().unwrap_or_default()
+    }
+
+    fn set(&mut self, file: FileId, state: FileState) {
+        if self.0.len() <= file as usize {
+            self.0.resize(file as usize + 1, FileState::Remote);
+        }
+        self.0[file as usize] = state;
+    }
 }
 
 struct Waiter {
@@ -103,7 +122,7 @@ struct Job {
 
 struct State {
     tracker: Tracker,
-    files: HashMap<FileId, FileState>,
+    files: FileStates,
     waiters: HashMap<FileId, Vec<Waiter>>,
     urgent: VecDeque<FileId>,
     evict: EvictionIndex,
@@ -161,7 +180,7 @@ impl Stager {
         let tracker = Tracker::new(plan.clone(), settings.tracker);
         let mut state = State {
             tracker,
-            files: HashMap::new(),
+            files: FileStates::default(),
             waiters: HashMap::new(),
             urgent: VecDeque::new(),
             evict: EvictionIndex::default(),
@@ -185,7 +204,7 @@ impl Stager {
             plan.epoch(1);
         }
         for (file, size) in cache.reuse(&catalog) {
-            state.files.insert(file, FileState::Cached);
+            state.files.set(file, FileState::Cached);
             state.used += size;
             state.evict.set_next_use(file, plan.next_use(file, 0));
             Counters::add(&counters.reused_files, 1);
@@ -249,10 +268,10 @@ impl Stager {
 
     /// Whether `file` is complete in the cache, being staged, or only on SOURCE.
     pub fn file_state(&self, file: FileId) -> &'static str {
-        match self.inner.state.lock().files.get(&file) {
-            Some(FileState::Cached) => "cached",
-            Some(FileState::Staging | FileState::Queued) => "staging",
-            _ => "remote",
+        match self.inner.state.lock().files.get(file) {
+            FileState::Cached => "cached",
+            FileState::Staging | FileState::Queued => "staging",
+            FileState::Remote => "remote",
         }
     }
 
@@ -260,7 +279,7 @@ impl Stager {
     pub fn cached_count(&self, files: impl Iterator<Item = FileId>) -> u64 {
         let st = self.inner.state.lock();
         files
-            .filter(|f| st.files.get(f) == Some(&FileState::Cached))
+            .filter(|&f| st.files.get(f) == FileState::Cached)
             .count() as u64
     }
 
@@ -357,7 +376,7 @@ impl Inner {
         let started = Instant::now();
         let mut st = self.state.lock();
         self.track_open(&mut st, file);
-        let state = st.files.get(&file).copied().unwrap_or(FileState::Remote);
+        let state = st.files.get(file);
         if state == FileState::Cached {
             match self.open_cached(file) {
                 Ok(f) => {
@@ -383,7 +402,7 @@ impl Inner {
         let size = self.size_of(file);
         let read_through = size >= self.settings.read_through_above;
         if state == FileState::Remote || state == FileState::Cached {
-            st.files.insert(file, FileState::Queued);
+            st.files.set(file, FileState::Queued);
             st.urgent.push_back(file);
             self.work.notify_one();
         }
@@ -604,7 +623,7 @@ impl Inner {
             st.evict.remove(file);
             st.used = st.used.saturating_sub(self.size_of(file));
         }
-        st.files.remove(&file);
+        st.files.set(file, FileState::Remote);
         st.unread.remove(&file);
     }
 
@@ -668,14 +687,14 @@ impl Inner {
     /// The next copy to make: urgent files first, then the frontier.
     fn next_job(&self, st: &mut State, deferred: &mut Deferred) -> Option<Job> {
         while let Some(file) = st.urgent.pop_front() {
-            if st.files.get(&file) != Some(&FileState::Queued) {
+            if st.files.get(file) != FileState::Queued {
                 continue;
             }
             let size = self.size_of(file);
             // A reader waits for it now: anything else may go.
             if size > st.capacity || !self.make_room(st, size, 0) {
                 // No room at all: serve the waiting readers from SOURCE instead.
-                st.files.remove(&file);
+                st.files.set(file, FileState::Remote);
                 for w in st.waiters.remove(&file).unwrap_or_default() {
                     Counters::add(
                         &self.counters.stall_nanos,
@@ -685,7 +704,7 @@ impl Inner {
                 }
                 continue;
             }
-            st.files.insert(file, FileState::Staging);
+            st.files.set(file, FileState::Staging);
             st.reserved += size;
             return Some(Job {
                 file,
@@ -699,7 +718,7 @@ impl Inner {
         }
         st.frontier += 1;
         st.ahead_bytes += size;
-        st.files.insert(file, FileState::Staging);
+        st.files.set(file, FileState::Staging);
         st.reserved += size;
         Some(Job {
             file,
@@ -730,7 +749,7 @@ impl Inner {
                 continue;
             }
             let size = self.size_of(file);
-            let state = st.files.get(&file).copied().unwrap_or(FileState::Remote);
+            let state = st.files.get(file);
             if state != FileState::Remote || st.changed.contains(&file) || size > st.capacity {
                 st.frontier += 1;
                 st.ahead_bytes += size;
@@ -802,7 +821,7 @@ impl Inner {
             Ok(bytes) => {
                 st.consecutive_failures = 0;
                 st.paused_until = None;
-                st.files.insert(file, FileState::Cached);
+                st.files.set(file, FileState::Cached);
                 st.used += size;
                 Counters::add(&self.counters.staged_files, 1);
                 Counters::add(&self.counters.staged_bytes, bytes);
@@ -831,7 +850,7 @@ impl Inner {
                 });
             }
             Err(CopyError::NoSpace) => {
-                st.files.remove(&file);
+                st.files.set(file, FileState::Remote);
                 // The file system holds less than we were told: what we have is the limit.
                 let new_capacity = st.used + st.reserved;
                 if new_capacity < st.capacity {
@@ -851,7 +870,7 @@ impl Inner {
                 answer_all(&mut deferred, &|| self.open_source(file));
             }
             Err(CopyError::Cache(e)) => {
-                st.files.remove(&file);
+                st.files.set(file, FileState::Remote);
                 log::warn!(
                     "cannot write {} to the cache: {e}; serving it from the source",
                     self.catalog.relative_path(file).display()
@@ -860,7 +879,7 @@ impl Inner {
                 answer_all(&mut deferred, &|| self.open_source(file));
             }
             Err(CopyError::SourceChanged(path)) => {
-                st.files.remove(&file);
+                st.files.set(file, FileState::Remote);
                 st.changed.insert(file);
                 log::warn!(
                     "{} changed on the source since it was mounted; readers get ESTALE (remount to see it)",
@@ -870,7 +889,7 @@ impl Inner {
                 answer_all(&mut deferred, &|| Err(libc::ESTALE));
             }
             Err(CopyError::Source { path, source }) => {
-                st.files.remove(&file);
+                st.files.set(file, FileState::Remote);
                 Counters::add(&self.counters.errors, 1);
                 st.consecutive_failures += 1;
                 let pause = (RETRY_BASE * 2u32.pow(st.consecutive_failures.min(10))).min(MAX_PAUSE);
@@ -912,8 +931,10 @@ impl Inner {
             return;
         }
         if let Ok((free, _)) = self.cache.filesystem_space() {
-            let room = (st.used + st.reserved + free.saturating_sub(FULL_HEADROOM))
-                .min(self.settings.capacity);
+            // Copies in flight are not counted: what they wrote so far is already missing from
+            // `free`, and counting their full size as well could grow the capacity past the
+            // file system's size (seen with 16 copies into an 8 MiB tmpfs).
+            let room = (st.used + free.saturating_sub(FULL_HEADROOM)).min(self.settings.capacity);
             if room > st.capacity {
                 log::debug!("cache capacity back to {room} bytes");
                 st.capacity = room;
