@@ -491,10 +491,10 @@ mod tests {
         assert_eq!(loaded.len(), catalog.len());
         for id in 0..catalog.len() as FileId {
             assert_eq!(loaded.relative_path(id), catalog.relative_path(id));
-            assert_eq!(
-                loaded.entry(id).unwrap().size,
+            // Braces copy the packed fields out before assert_eq! borrows them.
+            assert_eq!({ loaded.entry(id).unwrap().size }, {
                 catalog.entry(id).unwrap().size
-            );
+            });
             assert_eq!(loaded.link_target(id), catalog.link_target(id));
         }
         assert_eq!(loaded.file_count(), catalog.file_count());
