@@ -234,30 +234,18 @@ impl Stager {
             let mut st = inner.state.lock();
             inner.make_room(&mut st, 0, 0);
         }
-        let mut threads = Vec::new();
-        for i in 0..settings.threads.max(1) {
+        let spawn = |name: String, body: fn(Arc<Inner>)| {
             let inner = inner.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("stage-{i}"))
-                    .spawn(move || inner.worker())
-                    .expect("spawn stager thread"),
-            );
-        }
-        let sweeper = inner.clone();
-        threads.push(
             std::thread::Builder::new()
-                .name("stage-sweep".into())
-                .spawn(move || sweeper.sweeper())
-                .expect("spawn sweeper"),
-        );
-        let planner = inner.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("stage-plan".into())
-                .spawn(move || planner.planner())
-                .expect("spawn planner"),
-        );
+                .name(name)
+                .spawn(move || body(inner))
+                .expect("spawn a stager thread")
+        };
+        let mut threads: Vec<JoinHandle<()>> = (0..settings.threads.max(1))
+            .map(|i| spawn(format!("stage-{i}"), Inner::worker))
+            .collect();
+        threads.push(spawn("stage-sweep".into(), Inner::sweeper));
+        threads.push(spawn("stage-plan".into(), Inner::planner));
         Stager { inner, threads }
     }
 

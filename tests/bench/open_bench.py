@@ -24,20 +24,8 @@ import tempfile
 import threading
 import time
 
-
-def make_dataset(root, files):
-    for i in range(files):
-        d = os.path.join(root, "class%03d" % (i % 50))
-        os.makedirs(d, exist_ok=True)
-        size = 20_000 + (i * 2654435761 % 180_000) + (100_000 if i % 7 == 0 else 0)
-        with open(os.path.join(d, "img%06d.jpg" % i), "wb") as f:
-            f.write(os.urandom(size))
-
-
-def drop_caches():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1\n")
+# The same synthetic ImageFolder and page-cache drop as the engine benchmark next to this file.
+from engine_bench import drop_caches, make_dataset
 
 
 def python_reader(paths):
