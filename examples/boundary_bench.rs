@@ -65,7 +65,8 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let one = dir.path().join("one-byte");
     std::fs::write(&one, b"x").unwrap();
-    // The catalog's mtime, to the nanosecond, or every copy would count as a changed source.
+    // The catalog's mtime, to the nanosecond, and identity (below), or every copy would
+    // count as a changed source.
     let mtime_secs = 1_600_000_000;
     File::options()
         .write(true)
@@ -78,6 +79,8 @@ fn main() {
         classes: 1_000,
         size_of: |_| 1,
         mtime_secs,
+        // Every catalog entry is this one file, as far as the stager's checks can tell.
+        identity: stagefs::catalog::identity(&std::fs::metadata(&one).unwrap()),
     };
     let root = PathBuf::from("/synthetic/imagenet");
     let catalog = Arc::new(Catalog::scan_with(&root, &tree, 2).unwrap());

@@ -17,6 +17,8 @@ pub struct Synthetic {
     pub size_of: fn(u64) -> u64,
     /// Every entry's mtime, seconds.
     pub mtime_secs: i64,
+    /// Every entry's identity (see `stagefs::catalog::identity`).
+    pub identity: u64,
 }
 
 impl Synthetic {
@@ -27,6 +29,7 @@ impl Synthetic {
             classes,
             size_of: |i| 20_000 + i * 2654435761 % 180_000,
             mtime_secs: 1_600_000_000,
+            identity: 0,
         }
     }
 
@@ -48,6 +51,7 @@ impl Synthetic {
             size,
             mtime_secs: self.mtime_secs,
             mtime_nanos: 0,
+            identity: self.identity,
             link_target: None,
         }
     }

@@ -53,8 +53,10 @@ pub enum CacheError {
 pub enum CopyError {
     #[error("reading {path}: {source}")]
     Source { path: PathBuf, source: io::Error },
-    #[error("{0} changed on the source since it was mounted (size or mtime differ)")]
-    SourceChanged(PathBuf),
+    /// Not the file that was catalogued any more, before or during the copy; `errno` is what
+    /// its readers get (ENOENT when it was deleted, ESTALE otherwise).
+    #[error("{path} changed on the source since it was mounted")]
+    SourceChanged { path: PathBuf, errno: i32 },
     #[error("cache file system is full")]
     NoSpace,
     #[error("writing the cache: {0}")]
@@ -271,8 +273,8 @@ impl CacheDir {
         kept
     }
 
-    /// Copies the opened source file `src` (at `source`, for messages) into the cache as the
-    /// complete, verified copy of `entry`.
+    /// Copies the source file `src` (at `source`, for messages), opened and checked against
+    /// `entry` by the caller, into the cache as the complete, verified copy of `entry`.
     pub fn stage(
         &self,
         mut src: File,
@@ -280,10 +282,6 @@ impl CacheDir {
         relative: &Path,
         entry: &Entry,
     ) -> Result<u64, CopyError> {
-        let src_err = source_err(source);
-        if !entry.matches(&src.metadata().map_err(src_err)?) {
-            return Err(CopyError::SourceChanged(source.to_path_buf()));
-        }
         let tmp_path = self.tmp.join(format!(
             "{}.{}",
             std::process::id(),
@@ -333,8 +331,11 @@ impl CacheDir {
             copied += n as u64;
         }
         // The source must still be the file we catalogued, or the copy could mix versions.
-        if copied != entry.size || !entry.matches(&src.metadata().map_err(src_err)?) {
-            return Err(CopyError::SourceChanged(source.to_path_buf()));
+        if copied != entry.size || !entry.is_unchanged(&src.metadata().map_err(src_err)?) {
+            return Err(CopyError::SourceChanged {
+                path: source.to_path_buf(),
+                errno: libc::ESTALE,
+            });
         }
         let mtime = libc::timespec {
             tv_sec: entry.mtime_secs,

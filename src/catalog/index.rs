@@ -4,10 +4,11 @@
 //! round trips. `stagefs index` (or any mount, into `CACHE/index.bin`) writes the catalog in a
 //! versioned binary format; a later mount loads it in a second or two. It is never trusted
 //! blindly: the file carries a SHA-256 of its contents and is checked structurally (a tree,
-//! names sorted, ranges in bounds) on load, and against SOURCE before use: every directory's
-//! mtime must still match, which catches added, removed and renamed entries with one stat per
-//! directory instead of per file. Changed file contents are caught when a file is copied
-//! (size and mtime are checked against the catalog then).
+//! names sorted, ranges in bounds) on load, and against SOURCE before use: every node is
+//! `lstat`ed again, in parallel, and must be unchanged down to its inode and ctime (see
+//! [`check_fresh`]), so a remount sees every file added, removed, rewritten or chmod'ed since.
+//! That costs one stat per entry, which is still far less than a scan's listings of a
+//! parallel file system, and it is what keeps a remount from serving a stale snapshot.
 //!
 //! Format (little endian): magic, version, header (source path, counts), entries of
 //! [`ENTRY_BYTES`] each, the name arena, owners, symlink targets, then SHA-256 of all before.
@@ -16,7 +17,6 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -26,8 +26,9 @@ use super::{Catalog, Entry, FileId, Kind, ROOT};
 
 const MAGIC: &[u8; 16] = b"STAGEFS-INDEX\0\0\0";
 /// Bumped whenever the layout below changes; older files are refused, not misread.
-const VERSION: u32 = 1;
-const ENTRY_BYTES: usize = 44;
+/// 2: entries carry their node's identity (inode and ctime), and special files are listed.
+const VERSION: u32 = 2;
+const ENTRY_BYTES: usize = 52;
 const DIGEST_BYTES: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
@@ -102,20 +103,31 @@ fn entry_bytes(e: &Entry) -> [u8; ENTRY_BYTES] {
     b[0..4].copy_from_slice(&e.parent.to_le_bytes());
     b[4..8].copy_from_slice(&e.name_offset.to_le_bytes());
     b[8] = e.name_len;
-    b[9] = match e.kind {
-        Kind::Directory => 0,
-        Kind::File => 1,
-        Kind::Symlink => 2,
-    };
+    b[9] = KINDS
+        .iter()
+        .position(|&k| k == e.kind)
+        .expect("every kind is listed") as u8;
     b[10..12].copy_from_slice(&e.perm.to_le_bytes());
     b[12..16].copy_from_slice(&e.owner.to_le_bytes());
     b[16..24].copy_from_slice(&e.size.to_le_bytes());
     b[24..32].copy_from_slice(&e.mtime_secs.to_le_bytes());
     b[32..36].copy_from_slice(&e.mtime_nanos.to_le_bytes());
-    b[36..40].copy_from_slice(&e.first_child.to_le_bytes());
-    b[40..44].copy_from_slice(&e.child_count.to_le_bytes());
+    b[36..44].copy_from_slice(&e.identity.to_le_bytes());
+    b[44..48].copy_from_slice(&e.first_child.to_le_bytes());
+    b[48..52].copy_from_slice(&e.child_count.to_le_bytes());
     b
 }
+
+/// Entry kinds by their byte in the format.
+const KINDS: [Kind; 7] = [
+    Kind::Directory,
+    Kind::File,
+    Kind::Symlink,
+    Kind::Fifo,
+    Kind::Socket,
+    Kind::CharDevice,
+    Kind::BlockDevice,
+];
 
 /// A writer that hashes what passes through it.
 struct Hashing<W> {
@@ -259,19 +271,17 @@ fn parse_entry(b: &[u8; ENTRY_BYTES]) -> Result<Entry, DecodeError> {
         parent: u32_at(0),
         name_offset: u32_at(4),
         name_len: b[8],
-        kind: match b[9] {
-            0 => Kind::Directory,
-            1 => Kind::File,
-            2 => Kind::Symlink,
-            _ => return Err(corrupt("unknown entry kind")),
-        },
+        kind: *KINDS
+            .get(b[9] as usize)
+            .ok_or_else(|| corrupt("unknown entry kind"))?,
         perm: u16::from_le_bytes([b[10], b[11]]),
         owner: u32_at(12),
         size: u64_at(16),
         mtime_secs: u64_at(24) as i64,
         mtime_nanos: u32_at(32),
-        first_child: u32_at(36),
-        child_count: u32_at(40),
+        identity: u64_at(36),
+        first_child: u32_at(44),
+        child_count: u32_at(48),
     })
 }
 
@@ -356,31 +366,28 @@ fn validate(c: &mut Catalog) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks the index still describes SOURCE: every directory exists with the same mtime.
-/// Stats directories with `threads` workers (metadata round trips are the slow part).
+/// Checks the index still describes SOURCE, node by node: every entry is `lstat`ed and must
+/// be the same node, unchanged ([`Entry::is_unchanged`]: inode, ctime, kind, size, mtime).
+/// ctime is what makes this sound: a directory's moves with every entry added, removed or
+/// renamed in it, even when `cp -a` or `rsync -a` put its mtime back, and a file's with every
+/// write, chmod or chown, which no user can set back. Stats with `threads` workers (metadata
+/// round trips are the slow part), stopping at the first difference.
 pub fn check_fresh(catalog: &Catalog, index_path: &Path, threads: usize) -> Result<(), IndexError> {
-    let dirs: Vec<FileId> = (0..catalog.len() as FileId)
-        .filter(|&id| catalog.entries[id as usize].kind == Kind::Directory)
-        .collect();
     let next = AtomicUsize::new(0);
     let stale: parking_lot::Mutex<Option<String>> = parking_lot::Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.max(1) {
             s.spawn(|| {
                 loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= dirs.len() || stale.lock().is_some() {
+                    let id = next.fetch_add(1, Ordering::Relaxed);
+                    if id >= catalog.entries.len() || stale.lock().is_some() {
                         return;
                     }
-                    let e = &catalog.entries[dirs[i] as usize];
-                    let path = catalog.source_path(dirs[i]);
-                    let fresh = std::fs::symlink_metadata(&path).is_ok_and(|m| {
-                        m.is_dir()
-                            && m.mtime() == e.mtime_secs
-                            && m.mtime_nsec() as u32 == e.mtime_nanos
-                    });
+                    let path = catalog.source_path(id as FileId);
+                    let fresh = std::fs::symlink_metadata(&path)
+                        .is_ok_and(|m| catalog.entries[id].is_unchanged(&m));
                     if !fresh {
-                        *stale.lock() = Some(format!("directory {}", path.display()));
+                        *stale.lock() = Some(path.display().to_string());
                     }
                 }
             });

@@ -40,10 +40,39 @@ pub enum Kind {
     Directory,
     File,
     Symlink,
+    /// FIFOs, sockets and device nodes: never read or staged, but listed, because the dataset
+    /// classes count them (torchvision's `os.walk` puts every non-directory among the files),
+    /// so leaving them out would shift every sample index after them.
+    Fifo,
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl Kind {
+    /// The kind of a file as `lstat` describes it.
+    pub fn of(ft: std::fs::FileType) -> Kind {
+        use std::os::unix::fs::FileTypeExt;
+        if ft.is_dir() {
+            Kind::Directory
+        } else if ft.is_file() {
+            Kind::File
+        } else if ft.is_symlink() {
+            Kind::Symlink
+        } else if ft.is_fifo() {
+            Kind::Fifo
+        } else if ft.is_socket() {
+            Kind::Socket
+        } else if ft.is_char_device() {
+            Kind::CharDevice
+        } else {
+            Kind::BlockDevice
+        }
+    }
 }
 
 /// One node of the tree. Kept small: it is paid once per file of the dataset. Packed to
-/// 4-byte alignment, so its 44 bytes are not padded to 48 for the two 64-bit fields (read by
+/// 4-byte alignment, so its 52 bytes are not padded to 56 for the 64-bit fields (read by
 /// value only; references to them would be unaligned).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, packed(4))]
@@ -60,21 +89,53 @@ pub struct Entry {
     pub size: u64,
     pub mtime_secs: i64,
     pub mtime_nanos: u32,
+    /// [`identity`] of the node as scanned: which inode it was, and its ctime, which the
+    /// kernel moves on every change of content, mode, owner, links or (for a directory) its
+    /// entries, and which no user can set back.
+    pub identity: u64,
     /// For directories: children are ids `first_child .. first_child + child_count`.
     first_child: FileId,
     child_count: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 44);
+const _: () = assert!(std::mem::size_of::<Entry>() == 52);
+
+/// A 64-bit fingerprint of a node's device, inode and ctime (the parts of `stat` that say
+/// *which* file it is and *whether it changed*, and that its owner cannot forge: `touch -r`
+/// restores an mtime, never a ctime). Stable across versions: indexes store it.
+pub fn identity(m: &std::fs::Metadata) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    // SplitMix64's finalizer over each field in turn: cheap and well mixed. A collision needs
+    // a change that lands on the same 64-bit value, which a user cannot steer (the kernel
+    // picks inode numbers and nanosecond ctimes).
+    let mix = |h: u64, v: u64| {
+        let mut z = (h ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    [m.dev(), m.ino(), m.ctime() as u64, m.ctime_nsec() as u64]
+        .into_iter()
+        .fold(0, mix)
+}
 
 impl Entry {
-    /// Whether `m` (a stat of the source file) still describes this snapshot entry: same
-    /// size and same mtime to the nanosecond.
+    /// Whether `m` (a stat of a cached copy) carries this entry's size and mtime, which a
+    /// copy is given when it is published.
     pub fn matches(&self, m: &std::fs::Metadata) -> bool {
         use std::os::unix::fs::MetadataExt;
         m.len() == self.size
             && m.mtime() == self.mtime_secs
             && m.mtime_nsec() as u32 == self.mtime_nanos
+    }
+
+    /// Whether `m` (an `lstat`/`fstat` on SOURCE) is still the node this entry was scanned
+    /// from, unchanged: same kind, same inode and ctime, same size and mtime. Anything else
+    /// (replaced, rewritten, chmod'ed, swapped for a link or a FIFO) is a changed file.
+    pub fn is_unchanged(&self, m: &std::fs::Metadata) -> bool {
+        Kind::of(m.file_type()) == self.kind
+            && identity(m) == self.identity
+            && (self.kind == Kind::Directory || self.matches(m))
     }
 
     pub fn mtime(&self) -> SystemTime {

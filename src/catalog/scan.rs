@@ -42,6 +42,8 @@ pub struct Scanned {
     pub size: u64,
     pub mtime_secs: i64,
     pub mtime_nanos: u32,
+    /// See [`super::identity`].
+    pub identity: u64,
     pub link_target: Option<OsString>,
 }
 
@@ -62,7 +64,7 @@ struct FsLister<'a> {
 
 impl Lister for FsLister<'_> {
     fn root(&self) -> Scanned {
-        Scanned::from_metadata(OsString::new(), &self.root_meta, None).expect("root is a directory")
+        Scanned::from_metadata(OsString::new(), &self.root_meta, None)
     }
 
     fn list(&self, dir: &Path) -> Vec<Scanned> {
@@ -75,33 +77,26 @@ impl Scanned {
         name: OsString,
         meta: &fs::Metadata,
         link_target: Option<OsString>,
-    ) -> Option<Self> {
-        let ft = meta.file_type();
-        let kind = if ft.is_dir() {
-            Kind::Directory
-        } else if ft.is_file() {
-            Kind::File
-        } else if ft.is_symlink() {
-            Kind::Symlink
-        } else {
-            // Sockets, fifos and devices are not dataset content.
-            return None;
-        };
-        Some(Scanned {
+    ) -> Self {
+        let kind = Kind::of(meta.file_type());
+        Scanned {
             name,
             kind,
             perm: (meta.mode() & 0o7777) as u16,
             uid: meta.uid(),
             gid: meta.gid(),
-            size: if kind == Kind::Directory {
-                0
-            } else {
+            // What the mount shows and the copy checks: directories' sizes are file-system
+            // specific, special files have no content to stage.
+            size: if matches!(kind, Kind::File | Kind::Symlink) {
                 meta.size()
+            } else {
+                0
             },
             mtime_secs: meta.mtime(),
             mtime_nanos: meta.mtime_nsec() as u32,
+            identity: super::identity(meta),
             link_target,
-        })
+        }
     }
 }
 
@@ -242,7 +237,7 @@ fn list_directory(dir: &Path) -> Vec<Scanned> {
         } else {
             None
         };
-        out.extend(Scanned::from_metadata(item.file_name(), &meta, target));
+        out.push(Scanned::from_metadata(item.file_name(), &meta, target));
     }
     out
 }
@@ -322,6 +317,7 @@ fn push_entry(
         size: s.size,
         mtime_secs: s.mtime_secs,
         mtime_nanos: s.mtime_nanos,
+        identity: s.identity,
         first_child: 0,
         child_count: 0,
     });

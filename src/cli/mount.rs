@@ -727,9 +727,11 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let counters = Arc::new(Counters::default());
     // Signals must be blocked before any thread exists so none of them takes a SIGTERM.
     blocked_signals();
+    let local_source = LocalSource::new(&source)
+        .map_err(|e| format!("source {}: {e}", source.display()))?;
     let stager = Stager::start(
         catalog.clone(),
-        Arc::new(LocalSource),
+        Arc::new(local_source),
         cache,
         plan.clone(),
         settings,

@@ -114,6 +114,10 @@ impl StageFs {
             Kind::Directory => FileType::Directory,
             Kind::File => FileType::RegularFile,
             Kind::Symlink => FileType::Symlink,
+            Kind::Fifo => FileType::NamedPipe,
+            Kind::Socket => FileType::Socket,
+            Kind::CharDevice => FileType::CharDevice,
+            Kind::BlockDevice => FileType::BlockDevice,
         };
         let mtime = e.mtime();
         let owner = self.data.catalog.owner(e);
@@ -337,11 +341,11 @@ impl Filesystem for StageFs {
                 }
             }
         }
-        // Checked after the read: a writer updates the mtime before it writes data, so an
-        // unchanged mtime now means these bytes are the catalogued version's.
+        // Checked after the read: a write moves the ctime, which no one can set back, so an
+        // unchanged file now means these bytes are the catalogued version's.
         if !handle.from_cache
             && let Ok(entry) = self.entry(ino)
-            && !handle.file.metadata().is_ok_and(|m| entry.matches(&m))
+            && !handle.file.metadata().is_ok_and(|m| entry.is_unchanged(&m))
         {
             log::warn!(
                 "{} changed on the source while open; the reader gets ESTALE (remount to see the new version)",

@@ -162,7 +162,7 @@ fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
             let (cached, total) = cached_in_subtree(fs, &data.catalog, id);
             format!("{cached}/{total} cached").into_bytes()
         }
-        Kind::Symlink => return None,
+        _ => return None,
     })
 }
 

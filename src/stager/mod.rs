@@ -34,7 +34,7 @@ use crate::catalog::{Catalog, FileId, Layout};
 use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
-pub use source::{LocalSource, Source};
+pub use source::{LocalSource, Source, SourceError};
 
 /// Backoff before retrying a failed source read: 0.1 s, 0.4 s, 1.6 s … Long enough to ride out
 /// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
@@ -337,27 +337,18 @@ impl Inner {
         File::open(self.cache.path_for(&self.catalog.relative_path(file)))
     }
 
+    /// Opens `file` on SOURCE for a reader (read-through, or no room to stage it).
     fn open_source(&self, file: FileId) -> OpenResult {
-        let path = self.catalog.source_path(file);
-        let f = self.source.open(&path).map_err(|e| {
-            log::warn!("cannot open {} on the source: {e}", path.display());
-            // A listed file that cannot be opened is an I/O problem to the reader (ENOENT
-            // or ENOTCONN from a vanished source would only confuse it).
-            libc::EIO
-        })?;
-        // The dataset is a snapshot: a file that changed since the mount is not served mixed.
-        let entry = self.catalog.entry(file).expect("catalog file");
-        if f.metadata().is_ok_and(|m| entry.matches(&m)) {
-            return Ok(Opened {
+        match source::open_verified(&*self.source, &self.catalog, file) {
+            Ok(f) => Ok(Opened {
                 file: f,
                 from_cache: false,
-            });
+            }),
+            Err(e) => {
+                log::warn!("{e}");
+                Err(e.errno())
+            }
         }
-        log::warn!(
-            "{} changed on the source since it was mounted; remount to see the new version",
-            path.display()
-        );
-        Err(libc::ESTALE)
     }
 
     fn open(self: &Arc<Self>, file: FileId, reply: OpenCallback) {
@@ -766,17 +757,13 @@ impl Inner {
     fn copy_with_retries(&self, file: FileId) -> Result<u64, CopyError> {
         let entry = self.catalog.entry(file).expect("catalog file");
         let relative = self.catalog.relative_path(file);
-        let source = self.catalog.root_path().join(&relative);
         let mut attempt = 0;
         loop {
-            let staged = self
-                .source
-                .open(&source)
-                .map_err(|e| CopyError::Source {
-                    path: source.clone(),
-                    source: e,
-                })
-                .and_then(|f| self.cache.stage(f, &source, &relative, entry));
+            let staged = match source::open_verified(&*self.source, &self.catalog, file) {
+                Ok(f) => self.cache.stage(f, &self.catalog.root_path().join(&relative), &relative, entry),
+                Err(SourceError::Changed { path, errno, .. }) => Err(CopyError::SourceChanged { path, errno }),
+                Err(SourceError::Io { path, source }) => Err(CopyError::Source { path, source }),
+            };
             match staged {
                 Err(CopyError::Source { .. })
                     if attempt < self.settings.retries && !self.shutdown.load(Ordering::SeqCst) =>
@@ -866,15 +853,17 @@ impl Inner {
                 Counters::add(&self.counters.errors, 1);
                 answer_all(&mut deferred, &|| self.open_source(file));
             }
-            Err(CopyError::SourceChanged(path)) => {
+            Err(CopyError::SourceChanged { path, errno }) => {
+                // Not a fault of the file system: no pause, staging goes on with the others.
                 st.files.set(file, FileState::Remote);
                 st.changed.insert(file);
                 log::warn!(
-                    "{} changed on the source since it was mounted; readers get ESTALE (remount to see it)",
-                    path.display()
+                    "{} is not the file scanned at mount time any more (deleted, replaced or rewritten); its readers get {} (remount to see the new version)",
+                    path.display(),
+                    if errno == libc::ENOENT { "ENOENT" } else { "ESTALE" }
                 );
                 Counters::add(&self.counters.errors, 1);
-                answer_all(&mut deferred, &|| Err(libc::ESTALE));
+                answer_all(&mut deferred, &|| Err(errno));
             }
             Err(CopyError::Source { path, source }) => {
                 st.files.set(file, FileState::Remote);

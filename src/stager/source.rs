@@ -1,21 +1,307 @@
-//! How the stager opens files on SOURCE.
+//! How the stager opens files on SOURCE, and what it accepts as "the file the catalog means".
 //!
-//! One seam between the engine and the parallel file system, so engine tests can inject the
-//! faults a real one produces (errors, slowness) without a mount or a broken server.
+//! stagefs runs as root between users who may write to SOURCE. Following a path the way a
+//! plain `open` does would let such a user swap a dataset file (or a directory above it) for a
+//! symlink to a root-only file, a FIFO that blocks the opener forever, or a link back into the
+//! mount that re-enters the daemon. So a file is opened the way the catalog recorded it and no
+//! other: relative to a descriptor of SOURCE's root, beneath it, through no symlink at all
+//! (the catalog resolved its links to the files they name), non-blocking, and then `fstat`ed:
+//! it must be a regular file with the inode, ctime, size and mtime of its catalog entry.
+//! Anything else is a changed file: the reader gets ENOENT (deleted) or ESTALE (replaced or
+//! rewritten) at once, without the retries that a failing file system deserves.
+//!
+//! [`Source`] is also the seam through which engine tests inject the faults a real parallel
+//! file system produces (errors, slowness) without a mount or a broken server.
 
+use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::path::Path;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 
-pub trait Source: Send + Sync {
-    fn open(&self, path: &Path) -> io::Result<File>;
+use crate::catalog::{Catalog, FileId, Kind};
+
+/// `RESOLVE_*` flags of openat2(2) (linux/openat2.h), which the libc crate does not export.
+const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
+const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+const RESOLVE_BENEATH: u64 = 0x08;
+
+/// `struct open_how` of openat2(2).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
 }
 
-/// The real thing: files opened on the mounted parallel file system.
-pub struct LocalSource;
+/// Opens files of SOURCE by their path relative to its root.
+pub trait Source: Send + Sync {
+    /// Opens `relative` for reading beneath SOURCE without following any symlink and without
+    /// blocking (a FIFO must not hold the opener); what was opened is checked by the caller.
+    fn open(&self, relative: &Path) -> io::Result<File>;
+}
+
+/// The real thing: files opened on the mounted parallel file system, beneath a descriptor of
+/// its root taken once at mount time (so a root swapped later is not followed either).
+pub struct LocalSource {
+    root: OwnedFd,
+}
+
+impl LocalSource {
+    pub fn new(root: &Path) -> io::Result<LocalSource> {
+        let c = c_path(root)?;
+        // SAFETY: a valid NUL-terminated path; the returned descriptor is checked below.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a descriptor we just opened and own.
+        Ok(LocalSource {
+            root: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+}
 
 impl Source for LocalSource {
-    fn open(&self, path: &Path) -> io::Result<File> {
-        File::open(path)
+    fn open(&self, relative: &Path) -> io::Result<File> {
+        open_beneath(&self.root, relative)
+    }
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+/// openat2 with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`: the kernel itself refuses any
+/// symlink, `..` above the root, or magic link on the way (ELOOP / EXDEV).
+fn open_beneath(root: &OwnedFd, relative: &Path) -> io::Result<File> {
+    let c = c_path(relative)?;
+    let how = OpenHow {
+        flags: (libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: valid directory fd, NUL-terminated path, and an open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            // Kernels before 5.6: walk the path one directory at a time instead.
+            Some(libc::ENOSYS) => open_walking(root, relative),
+            _ => Err(err),
+        };
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { File::from_raw_fd(fd as i32) })
+}
+
+/// What [`open_beneath`] does, for kernels without openat2: each component opened with
+/// `O_NOFOLLOW` relative to the previous one, so no symlink is followed anywhere.
+fn open_walking(root: &OwnedFd, relative: &Path) -> io::Result<File> {
+    let mut components = relative.components().peekable();
+    // SAFETY: dup of a descriptor we own; the copy is owned by `dir` below.
+    let first = unsafe { libc::fcntl(root.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if first < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `first` is a new descriptor nothing else owns.
+    let mut dir = unsafe { OwnedFd::from_raw_fd(first) };
+    while let Some(component) = components.next() {
+        let std::path::Component::Normal(name) = component else {
+            // The catalog's paths have only plain names; anything else is not beneath.
+            return Err(io::Error::from_raw_os_error(libc::EXDEV));
+        };
+        let last = components.peek().is_none();
+        let flags = libc::O_NOFOLLOW
+            | libc::O_CLOEXEC
+            | if last {
+                libc::O_RDONLY | libc::O_NONBLOCK
+            } else {
+                libc::O_PATH | libc::O_DIRECTORY
+            };
+        let c = c_path(Path::new(name))?;
+        // SAFETY: valid directory fd and NUL-terminated name.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        let next = unsafe { OwnedFd::from_raw_fd(fd) };
+        if last {
+            return Ok(File::from(next));
+        }
+        dir = next;
+    }
+    Err(io::Error::from_raw_os_error(libc::EISDIR))
+}
+
+/// Why a catalogued file could not be opened on SOURCE.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// Not the file the catalog recorded any more. Not retried: it will not come back.
+    #[error("{path} {why} on the source since it was scanned; remount to see the new version")]
+    Changed {
+        path: PathBuf,
+        why: &'static str,
+        /// What the reader gets: ENOENT when it is gone, ESTALE when something else is there.
+        errno: i32,
+    },
+    /// The file system failed (or refused): worth retrying.
+    #[error("reading {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl SourceError {
+    /// The errno a reader of the file gets for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            SourceError::Changed { errno, .. } => *errno,
+            // A listed file that cannot be read is an I/O problem to the reader (ENOTCONN
+            // from a vanished source would only confuse it).
+            SourceError::Io { .. } => libc::EIO,
+        }
+    }
+}
+
+/// Opens catalog file `file` on `source` and checks it is still the catalogued file.
+pub fn open_verified(
+    source: &dyn Source,
+    catalog: &Catalog,
+    file: FileId,
+) -> Result<File, SourceError> {
+    let relative = catalog.relative_path(file);
+    let changed = |why, errno| SourceError::Changed {
+        path: catalog.root_path().join(&relative),
+        why,
+        errno,
+    };
+    let opened = source.open(&relative).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => changed("was deleted", libc::ENOENT),
+        // A symlink (ELOOP), a path leaving SOURCE (EXDEV), a file where a directory was
+        // (ENOTDIR), a stale handle: all say the tree is not the one catalogued.
+        Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR | libc::ESTALE | libc::ENXIO) => {
+            changed("was replaced", libc::ESTALE)
+        }
+        _ => SourceError::Io {
+            path: catalog.root_path().join(&relative),
+            source: e,
+        },
+    })?;
+    let meta = opened.metadata().map_err(|e| SourceError::Io {
+        path: catalog.root_path().join(&relative),
+        source: e,
+    })?;
+    let entry = catalog.entry(file).ok_or_else(|| changed("is unknown", libc::ENOENT))?;
+    if Kind::of(meta.file_type()) != Kind::File {
+        return Err(changed("was replaced by a non-regular file", libc::ESTALE));
+    }
+    if !entry.is_unchanged(&meta) {
+        return Err(changed("changed", libc::ESTALE));
+    }
+    // Opened non-blocking only so a FIFO could not hold us; reads of the regular file it
+    // turned out to be should block as usual (a network file system may honour the flag).
+    // SAFETY: F_SETFL on a descriptor we own.
+    unsafe { libc::fcntl(opened.as_raw_fd(), libc::F_SETFL, libc::O_RDONLY) };
+    Ok(opened)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn catalog_of(root: &Path) -> Catalog {
+        Catalog::scan(root, 1).unwrap()
+    }
+
+    fn errno_of(root: &Path, catalog: &Catalog, rel: &str) -> Result<Vec<u8>, i32> {
+        let source = LocalSource::new(root).unwrap();
+        let id = catalog.lookup_path(Path::new(rel)).unwrap();
+        open_verified(&source, catalog, id)
+            .map(|mut f| {
+                let mut v = Vec::new();
+                io::Read::read_to_end(&mut f, &mut v).unwrap();
+                v
+            })
+            .map_err(|e| e.errno())
+    }
+
+    #[test]
+    fn serves_only_the_catalogued_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("src");
+        std::fs::create_dir_all(root.join("d")).unwrap();
+        for name in ["d/a", "d/b", "d/c", "d/e", "d/f"] {
+            std::fs::write(root.join(name), b"data").unwrap();
+        }
+        std::fs::write(tmp.path().join("secret"), b"root only").unwrap();
+        let catalog = catalog_of(&root);
+        assert_eq!(errno_of(&root, &catalog, "d/a"), Ok(b"data".to_vec()));
+
+        // Swapped for a link to a file outside, with size and mtime made to match.
+        std::fs::remove_file(root.join("d/b")).unwrap();
+        std::fs::write(tmp.path().join("four"), b"FOUR").unwrap();
+        symlink(tmp.path().join("four"), root.join("d/b")).unwrap();
+        assert_eq!(errno_of(&root, &catalog, "d/b"), Err(libc::ESTALE));
+
+        // Swapped for a FIFO: refused at once, not waited on.
+        std::fs::remove_file(root.join("d/c")).unwrap();
+        let fifo = CString::new(root.join("d/c").as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        assert_eq!(errno_of(&root, &catalog, "d/c"), Err(libc::ESTALE));
+
+        // Deleted.
+        std::fs::remove_file(root.join("d/e")).unwrap();
+        assert_eq!(errno_of(&root, &catalog, "d/e"), Err(libc::ENOENT));
+
+        // Rewritten at the same size with its mtime put back: the ctime tells.
+        let before = std::fs::metadata(root.join("d/f")).unwrap().modified().unwrap();
+        std::fs::write(root.join("d/f"), b"DATA").unwrap();
+        File::options()
+            .write(true)
+            .open(root.join("d/f"))
+            .unwrap()
+            .set_modified(before)
+            .unwrap();
+        assert_eq!(errno_of(&root, &catalog, "d/f"), Err(libc::ESTALE));
+
+        // The directory above swapped for a link to a look-alike tree.
+        std::fs::rename(root.join("d"), tmp.path().join("moved")).unwrap();
+        symlink(tmp.path().join("moved"), root.join("d")).unwrap();
+        assert_eq!(errno_of(&root, &catalog, "d/a"), Err(libc::ESTALE));
+    }
+
+    #[test]
+    fn the_walk_without_openat2_refuses_links_too() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("real")).unwrap();
+        std::fs::write(tmp.path().join("real/x"), b"x").unwrap();
+        symlink("real", tmp.path().join("link")).unwrap();
+        symlink("x", tmp.path().join("real/y")).unwrap();
+        let root = LocalSource::new(tmp.path()).unwrap().root;
+        assert!(open_walking(&root, Path::new("real/x")).is_ok());
+        for rel in ["link/x", "real/y", "../x"] {
+            let err = open_walking(&root, Path::new(rel)).unwrap_err();
+            assert!(
+                matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR | libc::EXDEV)),
+                "{rel}: {err}"
+            );
+        }
     }
 }

@@ -20,13 +20,26 @@ fn content(i: u32, size: usize) -> Vec<u8> {
         .collect()
 }
 
-/// A source that can fail or slow down opens, like a flaky parallel file system.
-#[derive(Default)]
+/// A source that can fail or slow down opens, like a flaky parallel file system; the opens it
+/// lets through are the real ones.
 struct FlakySource {
+    real: LocalSource,
     failing: Mutex<HashMap<PathBuf, u32>>,
     broken: AtomicBool,
     delay_ms: AtomicU64,
     opens: AtomicU64,
+}
+
+impl FlakySource {
+    fn new(root: &Path) -> FlakySource {
+        FlakySource {
+            real: LocalSource::new(root).unwrap(),
+            failing: Mutex::default(),
+            broken: AtomicBool::default(),
+            delay_ms: AtomicU64::default(),
+            opens: AtomicU64::default(),
+        }
+    }
 }
 
 impl Source for FlakySource {
@@ -49,7 +62,7 @@ impl Source for FlakySource {
         if injected {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
-        File::open(path)
+        self.real.open(path)
     }
 }
 
@@ -127,10 +140,10 @@ impl Setup {
                 ..TrackerSettings::default()
             },
         };
-        let source = Arc::new(FlakySource::default());
+        let source = Arc::new(FlakySource::new(catalog.root_path()));
         source.broken.store(self.source_broken, Ordering::SeqCst);
         if let Some(i) = self.failing_sample {
-            let path = catalog.source_path(layout_file(&catalog, i));
+            let path = catalog.relative_path(layout_file(&catalog, i));
             source.failing.lock().insert(path, u32::MAX);
         }
         let counters = Arc::new(Counters::default());
