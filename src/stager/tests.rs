@@ -92,6 +92,8 @@ struct Setup {
     source_broken: bool,
     /// Start with opens of this sample's file failing (until the test heals it).
     failing_sample: Option<u32>,
+    /// Changes SOURCE after the scan and before the stager starts: (source root, catalog).
+    change_source: Option<fn(&Path, &Catalog)>,
 }
 
 impl Setup {
@@ -107,6 +109,7 @@ impl Setup {
             retries: 2,
             source_broken: false,
             failing_sample: None,
+            change_source: None,
         }
     }
 
@@ -145,6 +148,9 @@ impl Setup {
         if let Some(i) = self.failing_sample {
             let path = catalog.relative_path(layout_file(&catalog, i));
             source.failing.lock().insert(path, u32::MAX);
+        }
+        if let Some(change) = self.change_source {
+            change(&src, &catalog);
         }
         let counters = Arc::new(Counters::default());
         let stager = start_stager(&dir, &catalog, &source, &plan, settings, &counters);
@@ -400,6 +406,46 @@ fn source_errors_reach_only_that_file_and_staging_carries_on() {
 }
 
 #[test]
+fn a_file_changed_on_the_source_is_refused_at_once_and_staging_goes_on() {
+    let mut setup = Setup::new(60, SamplerKind::Sequential);
+    // Long enough that a retried open would show: 0.1 + 0.4 + 1.6 + 6.4 s.
+    setup.retries = 4;
+    setup.change_source = Some(|src, catalog| {
+        let path = |i| src.join(catalog.relative_path(layout_file(catalog, i)));
+        std::fs::remove_file(path(10)).unwrap();
+        // Same size and mtime, other bytes: a link to a look-alike outside SOURCE.
+        let decoy = src.parent().unwrap().join("decoy");
+        std::fs::copy(path(20), &decoy).unwrap();
+        let mtime = std::fs::metadata(path(20)).unwrap().modified().unwrap();
+        File::options().write(true).open(&decoy).unwrap().set_modified(mtime).unwrap();
+        std::fs::remove_file(path(20)).unwrap();
+        std::os::unix::fs::symlink(&decoy, path(20)).unwrap();
+        // Rewritten in place at the same size, mtime put back.
+        let mtime = std::fs::metadata(path(30)).unwrap().modified().unwrap();
+        let size = std::fs::metadata(path(30)).unwrap().len() as usize;
+        std::fs::write(path(30), vec![b'!'; size]).unwrap();
+        File::options().write(true).open(path(30)).unwrap().set_modified(mtime).unwrap();
+    });
+    let h = setup.build();
+    let started = Instant::now();
+    assert_eq!(h.read(h.file_of[10]), Err(libc::ENOENT));
+    assert_eq!(h.read(h.file_of[20]), Err(libc::ESTALE));
+    assert_eq!(h.read(h.file_of[30]), Err(libc::ESTALE));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "refused after {:?}: retried as if the source were failing",
+        started.elapsed()
+    );
+    // No pause: everything else is staged and served.
+    assert!(h.eventually(|| h.get(&h.counters.staged_files) == 57));
+    let changed = [h.file_of[10], h.file_of[20], h.file_of[30]];
+    for &f in h.plan.stream(0).iter().filter(|f| !changed.contains(f)) {
+        h.check(f);
+    }
+    assert_eq!(h.get(&h.counters.hits), 57);
+}
+
+#[test]
 fn a_broken_source_pauses_staging_which_resumes_by_itself() {
     let mut setup = Setup::new(60, SamplerKind::Sequential);
     setup.retries = 0;
@@ -579,5 +625,140 @@ proptest! {
         }
         let g = h.stager().gauges();
         prop_assert!(g.cache_used_bytes <= g.cache_capacity_bytes.max(h.share_bytes()));
+    }
+}
+
+/// What a hostile or careless user does to a SOURCE file while the job reads.
+#[derive(Clone, Copy, Debug)]
+enum Mutation {
+    Delete,
+    /// New content at the same size, mtime put back (`touch -r`).
+    RewriteKeepingMtime,
+    Truncate,
+    Chmod,
+    /// Replaced by a link to a look-alike outside SOURCE (same size and mtime).
+    Symlink,
+    Fifo,
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        Just(Mutation::Delete),
+        Just(Mutation::RewriteKeepingMtime),
+        Just(Mutation::Truncate),
+        Just(Mutation::Chmod),
+        Just(Mutation::Symlink),
+        Just(Mutation::Fifo),
+    ]
+}
+
+/// Applies `m` to `path`; returns the content SOURCE holds there afterwards, if any (a
+/// content a reader may legitimately be served).
+fn mutate(path: &Path, m: Mutation, n: usize) -> Option<Vec<u8>> {
+    let old = std::fs::symlink_metadata(path).ok();
+    let regular = old.as_ref().is_some_and(|m| m.is_file());
+    let replace = |path: &Path| {
+        let _ = std::fs::remove_file(path);
+    };
+    match m {
+        Mutation::Delete => replace(path),
+        Mutation::RewriteKeepingMtime => {
+            let size = old.as_ref().map_or(100, |m| m.len() as usize);
+            let content = vec![b'a' + (n % 26) as u8; size];
+            if !regular {
+                replace(path);
+            }
+            std::fs::write(path, &content).unwrap();
+            if let Some(t) = old.filter(|m| m.is_file()).and_then(|m| m.modified().ok()) {
+                File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+            }
+            return Some(content);
+        }
+        Mutation::Truncate if regular => {
+            let f = File::options().write(true).open(path).unwrap();
+            f.set_len(old.unwrap().len() / 2).unwrap();
+            return Some(std::fs::read(path).unwrap());
+        }
+        Mutation::Chmod if regular => {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        Mutation::Symlink => {
+            let decoy = path.with_extension(format!("decoy{n}"));
+            let size = old.as_ref().map_or(100, |m| m.len() as usize);
+            std::fs::write(&decoy, vec![b'!'; size]).unwrap();
+            if let Some(t) = old.and_then(|m| m.modified().ok()) {
+                File::options().write(true).open(&decoy).unwrap().set_modified(t).unwrap();
+            }
+            // Outside the catalog's view: a sibling the scan never saw.
+            replace(path);
+            std::os::unix::fs::symlink(&decoy, path).unwrap();
+        }
+        Mutation::Fifo => {
+            replace(path);
+            let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
+        }
+        _ => {}
+    }
+    None
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    /// SOURCE mutated while readers read: every byte served is a content the file had on
+    /// SOURCE at some instant (never a decoy, never a mix), every refusal is ENOENT or
+    /// ESTALE, and no open waits (`read` gives up after 60 s).
+    #[test]
+    fn served_bytes_are_always_sources_while_it_is_mutated(
+        mutations in proptest::collection::vec((0u32..80, mutation()), 1..60),
+        capacity_share in 0.2f64..1.2,
+    ) {
+        let mut setup = Setup::new(80, SamplerKind::TorchRandom);
+        setup.capacity_share = capacity_share;
+        let h = setup.build();
+        let versions: Mutex<HashMap<FileId, Vec<Vec<u8>>>> = Mutex::new(
+            h.file_of.iter().map(|&f| (f, vec![h.expected(f)])).collect(),
+        );
+        let errors: Mutex<Vec<String>> = Mutex::default();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for (n, &(sample, m)) in mutations.iter().enumerate() {
+                    let file = h.file_of[sample as usize];
+                    let path = h.catalog.source_path(file);
+                    // Recorded before SOURCE holds it, so a reader never sees it unlisted.
+                    let mut v = versions.lock();
+                    if let Some(content) = mutate(&path, m, n) {
+                        v.get_mut(&file).unwrap().push(content);
+                    }
+                    drop(v);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            });
+            for reader in 0..2u64 {
+                let (h, versions, errors) = (&h, &versions, &errors);
+                s.spawn(move || {
+                    for epoch in 0..2 {
+                        for (k, &f) in h.plan.stream(epoch).iter().enumerate() {
+                            if k as u64 % 2 != reader {
+                                continue;
+                            }
+                            match h.read(f) {
+                                Ok(bytes) if versions.lock()[&f].contains(&bytes) => {}
+                                Ok(bytes) => errors.lock().push(format!(
+                                    "file {f}: served {} bytes SOURCE never held", bytes.len()
+                                )),
+                                Err(libc::ENOENT | libc::ESTALE) => {}
+                                Err(e) => errors.lock().push(format!("file {f}: errno {e}")),
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let errors = errors.into_inner();
+        prop_assert!(errors.is_empty(), "{errors:?}");
     }
 }
