@@ -19,6 +19,7 @@ mod eviction;
 mod source;
 #[cfg(test)]
 mod tests;
+mod unverified;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -35,6 +36,7 @@ use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
 pub use source::{LocalSource, Source};
+use unverified::Unverified;
 
 /// Backoff before retrying a failed source read: 0.1 s, 0.4 s, 1.6 s … Long enough to ride out
 /// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
@@ -138,6 +140,8 @@ struct State {
     consecutive_failures: u32,
     /// Files whose source changed: never staged again by the frontier.
     changed: HashSet<FileId>,
+    /// Cached by a previous mount; checked against their checksum before first served.
+    unverified: Unverified,
     access_seq: u64,
     opens_since_resync: u64,
     resync_running: bool,
@@ -193,6 +197,7 @@ impl Stager {
             paused_until: None,
             consecutive_failures: 0,
             changed: HashSet::new(),
+            unverified: Unverified::default(),
             access_seq: 0,
             opens_since_resync: 0,
             resync_running: false,
@@ -205,6 +210,7 @@ impl Stager {
         }
         for (file, size) in cache.reuse(&catalog) {
             state.files.set(file, FileState::Cached);
+            state.unverified.insert(file);
             state.used += size;
             state.evict.set_next_use(file, plan.next_use(file, 0));
             Counters::add(&counters.reused_files, 1);
@@ -334,7 +340,7 @@ impl Inner {
     }
 
     fn open_cached(&self, file: FileId) -> std::io::Result<File> {
-        File::open(self.cache.path_for(&self.catalog.relative_path(file)))
+        self.cache.open_cached(&self.catalog.relative_path(file))
     }
 
     fn open_source(&self, file: FileId) -> OpenResult {
@@ -364,6 +370,33 @@ impl Inner {
         let started = Instant::now();
         let mut st = self.state.lock();
         self.track_open(&mut st, file);
+        if st.unverified.contains(file) {
+            // A previous mount's copy: its bytes are checked before any is served, reading
+            // the file without the lock held.
+            drop(st);
+            let relative = self.catalog.relative_path(file);
+            let verified = self.cache.open_verified(&relative);
+            st = self.state.lock();
+            match verified {
+                Ok(f) => {
+                    st.unverified.remove(file);
+                    drop(st);
+                    Counters::add(&self.counters.hits, 1);
+                    reply(Ok(Opened {
+                        file: f,
+                        from_cache: true,
+                    }));
+                    return;
+                }
+                // Still that copy (not evicted meanwhile): drop it and stage it again below.
+                Err(e) if st.unverified.contains(file) => {
+                    log::warn!("{e}; staging {} again", relative.display());
+                    self.cache.remove(&relative);
+                    self.forget_cached(&mut st, file);
+                }
+                Err(_) => {}
+            }
+        }
         let state = st.files.get(file);
         if state == FileState::Cached {
             match self.open_cached(file) {
@@ -613,6 +646,7 @@ impl Inner {
         }
         st.files.set(file, FileState::Remote);
         st.unread.remove(&file);
+        st.unverified.remove(file);
     }
 
     fn evict(&self, st: &mut State, file: FileId) {

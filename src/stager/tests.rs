@@ -482,9 +482,21 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     let mut h = Setup::new(80, SamplerKind::TorchDistributed).build();
     h.read_epoch(0, 8, 2, Duration::ZERO);
     assert!(h.eventually(|| h.stager().gauges().cached_files == 80));
+    // A cached copy changed in place, size and mtime kept: only its checksum can tell.
+    let tampered = h.catalog.files().next().unwrap();
+    let copy = h
+        .stager()
+        .inner
+        .cache
+        .path_for(&h.catalog.relative_path(tampered));
+    let mtime = std::fs::metadata(&copy).unwrap().modified().unwrap();
+    let mut f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    std::io::Write::write_all(&mut f, b"XX").unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
     h.stager.take().unwrap().shutdown();
     // A copy interrupted by a crash leaves a temporary file behind.
-    std::fs::write(h.dir.path().join("cache/tmp/999.1"), b"partial").unwrap();
+    std::fs::write(h.dir.path().join("cache/stagefs/tmp/999.1"), b"partial").unwrap();
     let counters = Arc::new(Counters::default());
     let settings = StagerSettings {
         threads: 2,
@@ -506,10 +518,13 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     ));
     h.counters = counters;
     assert_eq!(h.get(&h.counters.reused_files), 80);
-    assert!(!h.dir.path().join("cache/tmp/999.1").exists());
+    assert!(!h.dir.path().join("cache/stagefs/tmp/999.1").exists());
+    // Every byte read is checked against SOURCE's: the tampered copy is staged again.
     h.read_epoch(1, 8, 2, Duration::ZERO);
-    assert_eq!(h.get(&h.counters.hits), 80);
-    assert_eq!(h.get(&h.counters.source_bytes), 0);
+    assert_eq!(h.get(&h.counters.hits), 79);
+    assert_eq!(h.get(&h.counters.staged_files), 1);
+    let size = h.catalog.entry(tampered).unwrap().size;
+    assert_eq!(h.get(&h.counters.source_bytes), size);
 
     // A later mount with a smaller --cache-size keeps only what fits.
     h.stager.take().unwrap().shutdown();
