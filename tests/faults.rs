@@ -123,10 +123,10 @@ fn cache_name(rel: &str) -> String {
     digest[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Names (HASH) of the complete files under CACHE/data/*/.
+/// Names (HASH) of the complete files under CACHE/stagefs/data/*/.
 fn cached_names(cache: &Path) -> HashSet<String> {
     let mut names = HashSet::new();
-    for sub in fs::read_dir(cache.join("data"))
+    for sub in fs::read_dir(cache.join("stagefs/data"))
         .into_iter()
         .flatten()
         .flatten()
@@ -138,10 +138,11 @@ fn cached_names(cache: &Path) -> HashSet<String> {
     names
 }
 
-/// Copies in progress (or left by a crash) of daemon `pid` under CACHE/tmp, named `PID.SEQ`.
+/// Copies in progress (or left by a crash) of daemon `pid` under CACHE/stagefs/tmp, named
+/// `PID.SEQ`.
 fn temp_files(cache: &Path, pid: i32) -> usize {
     let prefix = format!("{pid}.");
-    fs::read_dir(cache.join("tmp"))
+    fs::read_dir(cache.join("stagefs/tmp"))
         .map(|d| {
             d.flatten()
                 .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
@@ -150,7 +151,7 @@ fn temp_files(cache: &Path, pid: i32) -> usize {
         .unwrap_or(0)
 }
 
-/// Checks that every file under CACHE/data is where the hashing puts it and equals the source
+/// Checks that every file under CACHE/stagefs/data is where the hashing puts it and equals the source
 /// file it caches, byte for byte. Returns how many there are.
 fn assert_cache_consistent(cache: &Path, ds: &Dataset) -> usize {
     let by_name: HashMap<String, &str> = ds
@@ -159,7 +160,7 @@ fn assert_cache_consistent(cache: &Path, ds: &Dataset) -> usize {
         .map(|rel| (cache_name(rel), rel.as_str()))
         .collect();
     let mut count = 0;
-    for sub in fs::read_dir(cache.join("data")).unwrap().flatten() {
+    for sub in fs::read_dir(cache.join("stagefs/data")).unwrap().flatten() {
         for f in fs::read_dir(sub.path()).unwrap().flatten() {
             let name = f.file_name().to_string_lossy().into_owned();
             let rel = by_name
@@ -248,7 +249,13 @@ impl Tmpfs {
     fn mount(dir: &Path, size: &str) -> Tmpfs {
         fs::create_dir_all(dir).unwrap();
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(dir)
             .output()
             .unwrap();
