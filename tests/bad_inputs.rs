@@ -303,10 +303,10 @@ const COMMAND_LINES: &[Case] = &[
         "stats @W/nope",
         "stagefs: @W/nope: No such file or directory",
     ),
-    // A cache on a read-only file system: the log cannot be created, then the cache itself.
+    // A cache on a read-only file system: it cannot be created (nor the log, which lives in it).
     early(
         "mount @S @M --cache @RO/cache",
-        "stagefs: cannot create log directory @RO/cache: Read-only file system",
+        "stagefs: cache directory @RO/cache: Read-only file system",
     ),
     scanned(
         "mount @S @M --cache @RO/cache --log-file @W/d.log",
