@@ -118,15 +118,22 @@ fn predicted_order(source: &Path, sampler: &[&str]) -> Vec<String> {
 // ---------------------------------------------------------------------------------------------
 // The cache directory as documented: data/xx/HASH, HASH = hex of sha256(relative path)[..16].
 
-fn cache_name(rel: &str) -> String {
-    let digest = Sha256::digest(rel.as_bytes());
+/// The cache file name of `rel` (a file of the dataset at `root`): its path and its identity
+/// on SOURCE, hashed as `CacheDir::path_for` does.
+fn cache_name(root: &Path, rel: &str) -> String {
+    let meta = fs::symlink_metadata(root.join(rel)).unwrap();
+    let mut hasher = Sha256::new();
+    hasher.update(rel.as_bytes());
+    hasher.update([0]);
+    hasher.update(stagefs::catalog::identity(&meta).to_le_bytes());
+    let digest = hasher.finalize();
     digest[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Names (HASH) of the complete files under CACHE/data/*/.
+/// Names (HASH) of the complete files under CACHE/stagefs/data/*/.
 fn cached_names(cache: &Path) -> HashSet<String> {
     let mut names = HashSet::new();
-    for sub in fs::read_dir(cache.join("data"))
+    for sub in fs::read_dir(cache.join("stagefs/data"))
         .into_iter()
         .flatten()
         .flatten()
@@ -138,10 +145,11 @@ fn cached_names(cache: &Path) -> HashSet<String> {
     names
 }
 
-/// Copies in progress (or left by a crash) of daemon `pid` under CACHE/tmp, named `PID.SEQ`.
+/// Copies in progress (or left by a crash) of daemon `pid` under CACHE/stagefs/tmp, named
+/// `PID.SEQ`.
 fn temp_files(cache: &Path, pid: i32) -> usize {
     let prefix = format!("{pid}.");
-    fs::read_dir(cache.join("tmp"))
+    fs::read_dir(cache.join("stagefs/tmp"))
         .map(|d| {
             d.flatten()
                 .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
@@ -150,16 +158,16 @@ fn temp_files(cache: &Path, pid: i32) -> usize {
         .unwrap_or(0)
 }
 
-/// Checks that every file under CACHE/data is where the hashing puts it and equals the source
+/// Checks that every file under CACHE/stagefs/data is where the hashing puts it and equals the source
 /// file it caches, byte for byte. Returns how many there are.
 fn assert_cache_consistent(cache: &Path, ds: &Dataset) -> usize {
     let by_name: HashMap<String, &str> = ds
         .files
         .keys()
-        .map(|rel| (cache_name(rel), rel.as_str()))
+        .map(|rel| (cache_name(&ds.root, rel), rel.as_str()))
         .collect();
     let mut count = 0;
-    for sub in fs::read_dir(cache.join("data")).unwrap().flatten() {
+    for sub in fs::read_dir(cache.join("stagefs/data")).unwrap().flatten() {
         for f in fs::read_dir(sub.path()).unwrap().flatten() {
             let name = f.file_name().to_string_lossy().into_owned();
             let rel = by_name
@@ -248,7 +256,13 @@ impl Tmpfs {
     fn mount(dir: &Path, size: &str) -> Tmpfs {
         fs::create_dir_all(dir).unwrap();
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(dir)
             .output()
             .unwrap();
@@ -275,38 +289,6 @@ impl Drop for Tmpfs {
 
 /// SOURCE renamed away (the daemon's opens of SOURCE/relative fail, even for root), put
 /// back by `restore` or on drop.
-struct Hidden {
-    path: PathBuf,
-    away: PathBuf,
-    hidden: bool,
-}
-
-impl Hidden {
-    fn hide(path: &Path) -> Hidden {
-        let away = path.with_extension("away");
-        fs::rename(path, &away).unwrap();
-        Hidden {
-            path: path.to_path_buf(),
-            away,
-            hidden: true,
-        }
-    }
-
-    fn restore(&mut self) {
-        if std::mem::take(&mut self.hidden) {
-            fs::rename(&self.away, &self.path).unwrap();
-        }
-    }
-}
-
-impl Drop for Hidden {
-    fn drop(&mut self) {
-        if self.hidden {
-            let _ = fs::rename(&self.away, &self.path);
-        }
-    }
-}
-
 /// Detaches `0` lazily on drop if it is still mounted: the last resort when a test fails
 /// while its daemon is dead and `stagefs unmount` did not get to run or failed.
 struct DetachOnDrop(PathBuf);
@@ -407,7 +389,7 @@ fn kill9_mid_epoch_then_remount_reuses_completed_files() {
     let completed_bytes: u64 = ds
         .files
         .keys()
-        .filter(|rel| completed.contains(&cache_name(rel)))
+        .filter(|rel| completed.contains(&cache_name(&ds.root, rel)))
         .map(|rel| ds.size(rel))
         .sum();
     let not_completed_bytes = ds.total_bytes() - completed_bytes;
@@ -451,9 +433,18 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
     let work = tempfile::tempdir().unwrap();
     let ds = Dataset::image_folder(&work.path().join("src"), 400, 10, 20_000, 30_000);
     let order = predicted_order(&ds.root, &[]);
+    // SOURCE is itself a FUSE mount, as a GlusterFS or BeeGFS client is: its daemon killed is
+    // an outage (ENOTCONN), a new mount at the same place is the file system coming back.
+    let client = work.path().join("client");
+    fs::create_dir(&client).unwrap();
+    let source_client = || TestMount::new(&ds.root, &client, &["--sampler", "none"]);
+    let mut pfs = Some(source_client());
+    let source = client.join("mnt");
+    let outer = work.path().join("outer");
+    fs::create_dir(&outer).unwrap();
     let m = TestMount::new(
-        &ds.root,
-        work.path(),
+        &source,
+        &outer,
         &[
             "--lookahead",
             "50",
@@ -475,7 +466,10 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
     );
     assert_eq!(state(&order[150]), "remote");
 
-    let mut hidden = Hidden::hide(&ds.root);
+    let client_pid = pfs.as_ref().unwrap().daemon_pid();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(client_pid, libc::SIGKILL) }, 0);
+    assert!(wait_for(Duration::from_secs(10), || !process_alive(client_pid)));
     // Staged files keep being served (and move the cursor on, so the frontier hits the fault).
     for rel in &order[100..150] {
         ds.read(&m.mnt, rel)
@@ -507,7 +501,9 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
     let errors = m.stat("errors"); // the daemon is still up and answering
     assert!(errors >= 3);
 
-    hidden.restore();
+    // The client comes back: the dead mount is detached and a new one made at the same place.
+    pfs.take().unwrap().detach_dead();
+    let _pfs = source_client();
     let before = m.stat("staged_files");
     // No reader: the frontier finds the source back by itself and stages ahead again.
     let resumed = wait_until(

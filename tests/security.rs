@@ -129,10 +129,10 @@ fn cache_directory_is_private() {
         );
     }
     denied("ls", &m.cache);
-    denied("cat", &m.cache.join("stagefs-cache.json"));
+    denied("cat", &m.cache.join("stagefs/manifest.json"));
     let data_file = files
         .iter()
-        .find(|f| f.starts_with(m.cache.join("data")))
+        .find(|f| f.starts_with(m.cache.join("stagefs/data")))
         .unwrap();
     denied("cat", data_file);
 }
@@ -172,7 +172,7 @@ fn links_out_of_the_source_are_never_served_or_staged() {
     assert_eq!(opens(&m), before, "the daemon served a file outside SOURCE");
 
     assert_eq!(m.wait_stat("cached_files", 1), 1, "only c1/a.jpg is staged");
-    for f in walk_files(&m.cache.join("data")) {
+    for f in walk_files(&m.cache.join("stagefs/data")) {
         let content = fs::read(&f).unwrap();
         assert!(
             content != shadow && content != b"outside secret",

@@ -88,8 +88,14 @@ fn changes_while_mounted_are_refused_at_once_never_served() {
         ("c1/f1.jpg", "Stale file handle"),
     ] {
         let (ok, stdout, stderr, took) = cat(&m.mnt.join(file));
-        assert!(!ok && stderr.contains(wanted), "{file}: {stderr} {stdout:?}");
-        assert!(took < Duration::from_secs(2), "{file}: refused after {took:?}");
+        assert!(
+            !ok && stderr.contains(wanted),
+            "{file}: {stderr} {stdout:?}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "{file}: refused after {took:?}"
+        );
     }
     assert!(m.log_text().contains("deleted"), "{}", m.log_text());
     m.unmount();
@@ -117,13 +123,18 @@ fn a_fifo_or_a_link_back_into_the_mount_never_holds_a_thread() {
         // More readers than FUSE threads: none of them may be held.
         let handles: Vec<_> = (0..12)
             .map(|i| {
-                let path = m.mnt.join(if i % 2 == 0 { "c0/f0.jpg" } else { "c0/f2.jpg" });
+                let path = m
+                    .mnt
+                    .join(if i % 2 == 0 { "c0/f0.jpg" } else { "c0/f2.jpg" });
                 std::thread::spawn(move || cat(&path))
             })
             .collect();
         for h in handles {
             let (ok, _, stderr, took) = h.join().unwrap();
-            assert!(!ok && stderr.contains("Stale file handle"), "{extra:?}: {stderr}");
+            assert!(
+                !ok && stderr.contains("Stale file handle"),
+                "{extra:?}: {stderr}"
+            );
             assert!(took < Duration::from_secs(5), "{extra:?}: took {took:?}");
         }
         assert_eq!(
@@ -151,7 +162,10 @@ fn a_remount_sees_source_as_it_is_now() {
     let m = TestMount::new(&src, tmp.path(), &[]);
     for i in 0..6 {
         let name = format!("c{}/f{i}.jpg", i % 2);
-        assert_eq!(fs::read(m.mnt.join(&name)).unwrap(), format!("bytes of {name}").as_bytes());
+        assert_eq!(
+            fs::read(m.mnt.join(&name)).unwrap(),
+            format!("bytes of {name}").as_bytes()
+        );
     }
     assert_eq!(m.wait_stat("staged_files", 6), 6);
     m.unmount();
@@ -169,12 +183,24 @@ fn a_remount_sees_source_as_it_is_now() {
 
     let m = TestMount::new(&src, tmp.path(), &[]);
     assert_eq!(fs::read(m.mnt.join("c0/new.jpg")).unwrap(), b"new file");
-    assert_eq!(fs::read(m.mnt.join("c0/f0.jpg")).unwrap(), b"BYTES OF C0/F0.JPG");
-    assert_eq!(fs::read(m.mnt.join("c1/f1.jpg")).unwrap(), b"BYTES OF C1/F1.JPG");
-    let mode = fs::metadata(m.mnt.join("c0/f2.jpg")).unwrap().permissions().mode();
+    assert_eq!(
+        fs::read(m.mnt.join("c0/f0.jpg")).unwrap(),
+        b"BYTES OF C0/F0.JPG"
+    );
+    assert_eq!(
+        fs::read(m.mnt.join("c1/f1.jpg")).unwrap(),
+        b"BYTES OF C1/F1.JPG"
+    );
+    let mode = fs::metadata(m.mnt.join("c0/f2.jpg"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600);
     // Unchanged files are still reused from the cache.
-    assert_eq!(fs::read(m.mnt.join("c1/f3.jpg")).unwrap(), b"bytes of c1/f3.jpg");
+    assert_eq!(
+        fs::read(m.mnt.join("c1/f3.jpg")).unwrap(),
+        b"bytes of c1/f3.jpg"
+    );
     assert!(m.stat("reused_files") >= 3, "{}", m.stats());
     m.unmount();
 }
@@ -219,7 +245,11 @@ fn special_files_named_like_samples_keep_their_index() {
         .lines()
         .map(str::to_string)
         .collect();
-    assert_eq!(ours.len(), theirs.len(), "ours {ours:?}, torchvision {theirs:?}");
+    assert_eq!(
+        ours.len(),
+        theirs.len(),
+        "ours {ours:?}, torchvision {theirs:?}"
+    );
     for (a, b) in ours.iter().zip(&theirs) {
         // Special files are samples stagefs cannot serve: shown as "?".
         let special = b.ends_with("f1b.jpg") || b.ends_with("f0b.jpg");

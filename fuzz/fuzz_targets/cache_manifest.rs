@@ -1,4 +1,4 @@
-//! The cache manifest (`stagefs-cache.json`): whatever the file holds, loading it never
+//! The cache manifest (`stagefs/manifest.json`): whatever the file holds, loading it never
 //! panics and a manifest is trusted only for the exact SOURCE it names; and every SOURCE
 //! path (any bytes, as Linux allows) can be recorded and recognised again.
 #![no_main]

@@ -1,7 +1,7 @@
 //! A saved catalog, so a mount of millions of files starts without a full scan.
 //!
 //! Scanning ImageNet-22k (14 M files) on a parallel file system costs millions of metadata
-//! round trips. `stagefs index` (or any mount, into `CACHE/index.bin`) writes the catalog in a
+//! round trips. `stagefs index` (or any mount, as `CACHE/stagefs/index.bin`) writes the catalog in a
 //! versioned binary format; a later mount loads it in a second or two. It is never trusted
 //! blindly: the file carries a SHA-256 of its contents and is checked structurally (a tree,
 //! names sorted, ranges in bounds) on load, and against SOURCE before use: every node is
@@ -14,7 +14,6 @@
 //! [`ENTRY_BYTES`] each, the name arena, owners, symlink targets, then SHA-256 of all before.
 
 use std::ffi::OsString;
-use std::fs::File;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
@@ -165,7 +164,8 @@ pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
         path: path.to_path_buf(),
         source: e,
     };
-    let file = File::open(path).map_err(read_err)?;
+    // Never through a link: the one a mount keeps in the cache must be the one it wrote.
+    let file = crate::cache::open_nofollow(path).map_err(read_err)?;
     let len = file.metadata().map_err(read_err)?.len();
     let catalog = decode_from(BufReader::new(file), len).map_err(|reason| match reason {
         DecodeError::Version(found) => IndexError::Version {

@@ -100,9 +100,11 @@ pub struct Entry {
 
 const _: () = assert!(std::mem::size_of::<Entry>() == 52);
 
-/// A 64-bit fingerprint of a node's device, inode and ctime (the parts of `stat` that say
-/// *which* file it is and *whether it changed*, and that its owner cannot forge: `touch -r`
-/// restores an mtime, never a ctime). Stable across versions: indexes store it.
+/// A 64-bit fingerprint of a node's inode and ctime (the parts of `stat` that say *which* file
+/// it is and *whether it changed*, and that its owner cannot forge: `touch -r` restores an
+/// mtime, never a ctime). Stable across versions: indexes store it. The device number is left
+/// out on purpose: a network file system's client gets a new one each time it is remounted,
+/// while its inode numbers and ctimes stay (they come from the server).
 pub fn identity(m: &std::fs::Metadata) -> u64 {
     use std::os::unix::fs::MetadataExt;
     // SplitMix64's finalizer over each field in turn: cheap and well mixed. A collision needs
@@ -114,7 +116,7 @@ pub fn identity(m: &std::fs::Metadata) -> u64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    [m.dev(), m.ino(), m.ctime() as u64, m.ctime_nsec() as u64]
+    [m.ino(), m.ctime() as u64, m.ctime_nsec() as u64]
         .into_iter()
         .fold(0, mix)
 }

@@ -117,7 +117,7 @@ pub struct MountArgs {
     /// against SOURCE first [default: the one a previous mount kept in the cache, if still valid]
     #[arg(long, value_name = "FILE", help_heading = "Mount")]
     pub index: Option<PathBuf>,
-    /// Log file of the detached daemon [default: CACHE/stagefs.log]
+    /// Log file of the detached daemon; a symbolic link is refused [default: CACHE/stagefs/stagefs.log]
     #[arg(long, value_name = "FILE", help_heading = "Mount")]
     pub log_file: Option<PathBuf>,
     /// Write Prometheus metrics to FILE every few seconds (node_exporter textfile collector)
@@ -321,29 +321,49 @@ fn blocked_signals() -> libc::sigset_t {
     }
 }
 
+/// Checks the cache directory as given (a link to one is refused, not resolved) before
+/// anything is written, and sends a detached daemon's log to its file.
 fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
     let mut builder =
         env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    crate::cache::check_root(&args.cache).map_err(|e| e.to_string())?;
     if detached {
-        let path = args
-            .log_file
-            .clone()
-            .unwrap_or_else(|| args.cache.join("stagefs.log"));
-        if let Some(dir) = path.parent() {
-            // By default the log lives in the cache, which is private (0700) from the start.
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
-        }
-        // It names the dataset's files: private like the cache.
+        let path = match &args.log_file {
+            Some(path) => {
+                if let Some(dir) = path.parent() {
+                    fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(0o700)
+                        .create(dir)
+                        .map_err(|e| {
+                            format!("cannot create log directory {}: {e}", dir.display())
+                        })?;
+                }
+                path.clone()
+            }
+            None => {
+                // By default the log lives in stagefs's own, private part of the cache.
+                let source = fs::canonicalize(&args.source)
+                    .map_err(|e| format!("source {}: {e}", args.source.display()))?;
+                crate::cache::prepare(&args.cache, &source).map_err(|e| e.to_string())?;
+                crate::cache::log_path(&args.cache)
+            }
+        };
+        // It names the dataset's files: private like the cache. A link is never followed: one
+        // planted there would make root append to its target.
         let file = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
-            .map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => format!(
+                    "log file {} is a symbolic link, which stagefs does not follow; remove it or give another --log-file",
+                    path.display()
+                ),
+                _ => format!("cannot open log file {}: {e}", path.display()),
+            })?;
         builder.target(env_logger::Target::Pipe(Box::new(file)));
     }
     let _ = builder.try_init();
@@ -352,6 +372,8 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
 
 /// Re-executes this command as a detached daemon and waits for it to say it is mounted.
 fn spawn_daemon(args: &MountArgs) -> Result<(), String> {
+    // A cache that is not stagefs's to use is refused here, where the user sees it at once.
+    crate::cache::check_root(&args.cache).map_err(|e| e.to_string())?;
     let mut fds = [0; 2];
     // SAFETY: pipe2 writes two fds into the array. The read end is close-on-exec; the write end
     // is inherited by the daemon.
@@ -401,7 +423,7 @@ fn spawn_daemon(args: &MountArgs) -> Result<(), String> {
             let log = args
                 .log_file
                 .clone()
-                .unwrap_or_else(|| args.cache.join("stagefs.log"));
+                .unwrap_or_else(|| crate::cache::log_path(&args.cache));
             Err(other
                 .strip_prefix("error: ")
                 .map(str::to_string)
@@ -727,8 +749,8 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let counters = Arc::new(Counters::default());
     // Signals must be blocked before any thread exists so none of them takes a SIGTERM.
     blocked_signals();
-    let local_source = LocalSource::new(&source)
-        .map_err(|e| format!("source {}: {e}", source.display()))?;
+    let local_source =
+        LocalSource::new(&source).map_err(|e| format!("source {}: {e}", source.display()))?;
     let stager = Stager::start(
         catalog.clone(),
         Arc::new(local_source),

@@ -19,6 +19,7 @@ mod eviction;
 mod source;
 #[cfg(test)]
 mod tests;
+mod unverified;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -35,6 +36,7 @@ use crate::plan::{NEVER, Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use eviction::EvictionIndex;
 pub use source::{LocalSource, Source, SourceError};
+use unverified::Unverified;
 
 /// Backoff before retrying a failed source read: 0.1 s, 0.4 s, 1.6 s … Long enough to ride out
 /// a metadata server failover blip, short enough that a reader's EIO comes within seconds.
@@ -138,6 +140,8 @@ struct State {
     consecutive_failures: u32,
     /// Files whose source changed: never staged again by the frontier.
     changed: HashSet<FileId>,
+    /// Cached by a previous mount; checked against their checksum before first served.
+    unverified: Unverified,
     access_seq: u64,
     opens_since_resync: u64,
     resync_running: bool,
@@ -193,6 +197,7 @@ impl Stager {
             paused_until: None,
             consecutive_failures: 0,
             changed: HashSet::new(),
+            unverified: Unverified::default(),
             access_seq: 0,
             opens_since_resync: 0,
             resync_running: false,
@@ -205,6 +210,7 @@ impl Stager {
         }
         for (file, size) in cache.reuse(&catalog) {
             state.files.set(file, FileState::Cached);
+            state.unverified.insert(file);
             state.used += size;
             state.evict.set_next_use(file, plan.next_use(file, 0));
             Counters::add(&counters.reused_files, 1);
@@ -334,7 +340,7 @@ impl Inner {
     }
 
     fn open_cached(&self, file: FileId) -> std::io::Result<File> {
-        File::open(self.cache.path_for(&self.catalog.relative_path(file)))
+        self.cache.open_cached(&self.catalog, file)
     }
 
     /// Opens `file` on SOURCE for a reader (read-through, or no room to stage it).
@@ -355,6 +361,35 @@ impl Inner {
         let started = Instant::now();
         let mut st = self.state.lock();
         self.track_open(&mut st, file);
+        if st.unverified.contains(file) {
+            // A previous mount's copy: its bytes are checked before any is served, reading
+            // the file without the lock held.
+            drop(st);
+            let verified = self.cache.open_verified(&self.catalog, file);
+            st = self.state.lock();
+            match verified {
+                Ok(f) => {
+                    st.unverified.remove(file);
+                    drop(st);
+                    Counters::add(&self.counters.hits, 1);
+                    reply(Ok(Opened {
+                        file: f,
+                        from_cache: true,
+                    }));
+                    return;
+                }
+                // Still that copy (not evicted meanwhile): drop it and stage it again below.
+                Err(e) if st.unverified.contains(file) => {
+                    log::warn!(
+                        "{e}; staging {} again",
+                        self.catalog.relative_path(file).display()
+                    );
+                    self.cache.remove(&self.catalog, file);
+                    self.forget_cached(&mut st, file);
+                }
+                Err(_) => {}
+            }
+        }
         let state = st.files.get(file);
         if state == FileState::Cached {
             match self.open_cached(file) {
@@ -604,11 +639,12 @@ impl Inner {
         }
         st.files.set(file, FileState::Remote);
         st.unread.remove(&file);
+        st.unverified.remove(file);
     }
 
     fn evict(&self, st: &mut State, file: FileId) {
         let size = self.size_of(file);
-        self.cache.remove(&self.catalog.relative_path(file));
+        self.cache.remove(&self.catalog, file);
         self.forget_cached(st, file);
         Counters::add(&self.counters.evictions, 1);
         if st.unread.remove(&file) {
@@ -755,13 +791,13 @@ impl Inner {
     }
 
     fn copy_with_retries(&self, file: FileId) -> Result<u64, CopyError> {
-        let entry = self.catalog.entry(file).expect("catalog file");
-        let relative = self.catalog.relative_path(file);
         let mut attempt = 0;
         loop {
             let staged = match source::open_verified(&*self.source, &self.catalog, file) {
-                Ok(f) => self.cache.stage(f, &self.catalog.root_path().join(&relative), &relative, entry),
-                Err(SourceError::Changed { path, errno, .. }) => Err(CopyError::SourceChanged { path, errno }),
+                Ok(f) => self.cache.stage(f, &self.catalog, file),
+                Err(SourceError::Changed { path, errno, .. }) => {
+                    Err(CopyError::SourceChanged { path, errno })
+                }
                 Err(SourceError::Io { path, source }) => Err(CopyError::Source { path, source }),
             };
             match staged {
@@ -860,7 +896,11 @@ impl Inner {
                 log::warn!(
                     "{} is not the file scanned at mount time any more (deleted, replaced or rewritten); its readers get {} (remount to see the new version)",
                     path.display(),
-                    if errno == libc::ENOENT { "ENOENT" } else { "ESTALE" }
+                    if errno == libc::ENOENT {
+                        "ENOENT"
+                    } else {
+                        "ESTALE"
+                    }
                 );
                 Counters::add(&self.counters.errors, 1);
                 answer_all(&mut deferred, &|| Err(errno));

@@ -19,6 +19,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
 
 use crate::catalog::{Catalog, FileId, Kind};
 
@@ -43,34 +46,52 @@ pub trait Source: Send + Sync {
 }
 
 /// The real thing: files opened on the mounted parallel file system, beneath a descriptor of
-/// its root taken once at mount time (so a root swapped later is not followed either).
+/// its root taken at mount time (so a root swapped later for a link is not followed either).
 pub struct LocalSource {
-    root: OwnedFd,
+    path: PathBuf,
+    root: RwLock<Arc<OwnedFd>>,
 }
 
 impl LocalSource {
     pub fn new(root: &Path) -> io::Result<LocalSource> {
-        let c = c_path(root)?;
-        // SAFETY: a valid NUL-terminated path; the returned descriptor is checked below.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a descriptor we just opened and own.
         Ok(LocalSource {
-            root: unsafe { OwnedFd::from_raw_fd(fd) },
+            path: root.to_path_buf(),
+            root: RwLock::new(Arc::new(open_root(root)?)),
         })
     }
 }
 
+/// A descriptor of SOURCE's root directory, not through a link.
+fn open_root(root: &Path) -> io::Result<OwnedFd> {
+    let c = c_path(root)?;
+    // SAFETY: a valid NUL-terminated path; the returned descriptor is checked below.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor we just opened and own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 impl Source for LocalSource {
     fn open(&self, relative: &Path) -> io::Result<File> {
-        open_beneath(&self.root, relative)
+        let root = self.root.read().clone();
+        match open_beneath(&root, relative) {
+            // The file system's client was restarted or remounted (a crashed GlusterFS
+            // client, an NFS failover): the old root descriptor will never work again, the
+            // path may. What is found there is checked like any file.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ESTALE)) => {
+                let fresh = Arc::new(open_root(&self.path).map_err(|_| e)?);
+                *self.root.write() = fresh.clone();
+                open_beneath(&fresh, relative)
+            }
+            other => other,
+        }
     }
 }
 
@@ -206,7 +227,9 @@ pub fn open_verified(
         path: catalog.root_path().join(&relative),
         source: e,
     })?;
-    let entry = catalog.entry(file).ok_or_else(|| changed("is unknown", libc::ENOENT))?;
+    let entry = catalog
+        .entry(file)
+        .ok_or_else(|| changed("is unknown", libc::ENOENT))?;
     if Kind::of(meta.file_type()) != Kind::File {
         return Err(changed("was replaced by a non-regular file", libc::ESTALE));
     }
@@ -271,7 +294,10 @@ mod tests {
         assert_eq!(errno_of(&root, &catalog, "d/e"), Err(libc::ENOENT));
 
         // Rewritten at the same size with its mtime put back: the ctime tells.
-        let before = std::fs::metadata(root.join("d/f")).unwrap().modified().unwrap();
+        let before = std::fs::metadata(root.join("d/f"))
+            .unwrap()
+            .modified()
+            .unwrap();
         std::fs::write(root.join("d/f"), b"DATA").unwrap();
         File::options()
             .write(true)
@@ -294,12 +320,15 @@ mod tests {
         std::fs::write(tmp.path().join("real/x"), b"x").unwrap();
         symlink("real", tmp.path().join("link")).unwrap();
         symlink("x", tmp.path().join("real/y")).unwrap();
-        let root = LocalSource::new(tmp.path()).unwrap().root;
+        let root = open_root(tmp.path()).unwrap();
         assert!(open_walking(&root, Path::new("real/x")).is_ok());
         for rel in ["link/x", "real/y", "../x"] {
             let err = open_walking(&root, Path::new(rel)).unwrap_err();
             assert!(
-                matches!(err.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR | libc::EXDEV)),
+                matches!(
+                    err.raw_os_error(),
+                    Some(libc::ELOOP | libc::ENOTDIR | libc::EXDEV)
+                ),
                 "{rel}: {err}"
             );
         }

@@ -417,14 +417,24 @@ fn a_file_changed_on_the_source_is_refused_at_once_and_staging_goes_on() {
         let decoy = src.parent().unwrap().join("decoy");
         std::fs::copy(path(20), &decoy).unwrap();
         let mtime = std::fs::metadata(path(20)).unwrap().modified().unwrap();
-        File::options().write(true).open(&decoy).unwrap().set_modified(mtime).unwrap();
+        File::options()
+            .write(true)
+            .open(&decoy)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
         std::fs::remove_file(path(20)).unwrap();
         std::os::unix::fs::symlink(&decoy, path(20)).unwrap();
         // Rewritten in place at the same size, mtime put back.
         let mtime = std::fs::metadata(path(30)).unwrap().modified().unwrap();
         let size = std::fs::metadata(path(30)).unwrap().len() as usize;
         std::fs::write(path(30), vec![b'!'; size]).unwrap();
-        File::options().write(true).open(path(30)).unwrap().set_modified(mtime).unwrap();
+        File::options()
+            .write(true)
+            .open(path(30))
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
     });
     let h = setup.build();
     let started = Instant::now();
@@ -541,9 +551,17 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     let mut h = Setup::new(80, SamplerKind::TorchDistributed).build();
     h.read_epoch(0, 8, 2, Duration::ZERO);
     assert!(h.eventually(|| h.stager().gauges().cached_files == 80));
+    // A cached copy changed in place, size and mtime kept: only its checksum can tell.
+    let tampered = h.catalog.files().next().unwrap();
+    let copy = h.stager().inner.cache.path_for(&h.catalog, tampered);
+    let mtime = std::fs::metadata(&copy).unwrap().modified().unwrap();
+    let mut f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    std::io::Write::write_all(&mut f, b"XX").unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
     h.stager.take().unwrap().shutdown();
     // A copy interrupted by a crash leaves a temporary file behind.
-    std::fs::write(h.dir.path().join("cache/tmp/999.1"), b"partial").unwrap();
+    std::fs::write(h.dir.path().join("cache/stagefs/tmp/999.1"), b"partial").unwrap();
     let counters = Arc::new(Counters::default());
     let settings = StagerSettings {
         threads: 2,
@@ -565,10 +583,13 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     ));
     h.counters = counters;
     assert_eq!(h.get(&h.counters.reused_files), 80);
-    assert!(!h.dir.path().join("cache/tmp/999.1").exists());
+    assert!(!h.dir.path().join("cache/stagefs/tmp/999.1").exists());
+    // Every byte read is checked against SOURCE's: the tampered copy is staged again.
     h.read_epoch(1, 8, 2, Duration::ZERO);
-    assert_eq!(h.get(&h.counters.hits), 80);
-    assert_eq!(h.get(&h.counters.source_bytes), 0);
+    assert_eq!(h.get(&h.counters.hits), 79);
+    assert_eq!(h.get(&h.counters.staged_files), 1);
+    let size = h.catalog.entry(tampered).unwrap().size;
+    assert_eq!(h.get(&h.counters.source_bytes), size);
 
     // A later mount with a smaller --cache-size keeps only what fits.
     h.stager.take().unwrap().shutdown();
@@ -670,7 +691,12 @@ fn mutate(path: &Path, m: Mutation, n: usize) -> Option<Vec<u8>> {
             }
             std::fs::write(path, &content).unwrap();
             if let Some(t) = old.filter(|m| m.is_file()).and_then(|m| m.modified().ok()) {
-                File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+                File::options()
+                    .write(true)
+                    .open(path)
+                    .unwrap()
+                    .set_modified(t)
+                    .unwrap();
             }
             return Some(content);
         }
@@ -688,7 +714,12 @@ fn mutate(path: &Path, m: Mutation, n: usize) -> Option<Vec<u8>> {
             let size = old.as_ref().map_or(100, |m| m.len() as usize);
             std::fs::write(&decoy, vec![b'!'; size]).unwrap();
             if let Some(t) = old.and_then(|m| m.modified().ok()) {
-                File::options().write(true).open(&decoy).unwrap().set_modified(t).unwrap();
+                File::options()
+                    .write(true)
+                    .open(&decoy)
+                    .unwrap()
+                    .set_modified(t)
+                    .unwrap();
             }
             // Outside the catalog's view: a sibling the scan never saw.
             replace(path);

@@ -149,6 +149,14 @@ impl TestMount {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Lazily detaches a mount whose daemon is dead (`umount -l`, what an administrator does
+    /// when a process still holds something under it).
+    pub fn detach_dead(mut self) {
+        self.mounted = false;
+        let status = Command::new("umount").arg("-l").arg(&self.mnt).status().unwrap();
+        assert!(status.success(), "umount -l {}", self.mnt.display());
+    }
+
     pub fn unmount(mut self) {
         self.mounted = false;
         let out = stagefs(&["unmount", self.mnt.to_str().unwrap()]);
