@@ -269,15 +269,17 @@ impl Plan {
     }
 
     /// Next global position ≥ `from` at which `file` is read, looking no further than the end
-    /// of the epoch after `from`'s (the horizon the stager plans for), and into that next
-    /// epoch only if it is planned already: until then a file not read again in `from`'s
-    /// epoch answers [`NEVER`], and the stager rekeys it once the plan is there.
+    /// of the epoch after `from`'s (the horizon the stager plans for), and only into epochs
+    /// planned already: until then a file answers [`NEVER`], and the stager rekeys it once
+    /// the plan is there.
     pub fn next_use(&self, file: FileId, from: Position) -> Position {
         if !self.predicts() {
             return NEVER;
         }
         let (e, o) = self.split(from);
-        if let Some(off) = self.epoch(e).next_offset(file, o) {
+        // Never computes a plan: callers hold the stager's lock, and the planner thread
+        // computes epochs off it. An epoch not planned yet knows no next use.
+        if let Some(off) = self.planned(e).and_then(|plan| plan.next_offset(file, o)) {
             return self.join(e, off);
         }
         match self

@@ -198,7 +198,11 @@ impl Tracker {
             .max(self.high_water)
             .saturating_add(self.settings.window);
         for epoch in [self.base_epoch, self.base_epoch + 1] {
-            let plan = self.plan.epoch(epoch);
+            // Only epochs planned already: an open must never wait for (or pay for) a plan;
+            // the stager's planner computes the next epoch as soon as the cursor enters one.
+            let Some(plan) = self.plan.planned(epoch) else {
+                break;
+            };
             for &off in plan.offsets_of(file) {
                 let pos = self.plan.join(epoch, off as u64);
                 if pos >= hi {
@@ -292,6 +296,25 @@ mod tests {
     use crate::catalog::Layout;
     use crate::order::{SamplerConfig, SamplerKind};
 
+    /// Feeds an open, with the tracker's epoch and the next planned first, as the stager's
+    /// planner thread has them planned (the tracker itself never computes a plan).
+    fn planned_open(t: &mut Tracker, file: FileId) -> OpenMatch {
+        let epoch = t.epoch_position().0;
+        t.plan.epoch(epoch);
+        t.plan.epoch(epoch + 1);
+        t.on_open(file)
+    }
+
+    #[test]
+    fn an_open_in_an_unplanned_epoch_does_not_wait_for_its_plan() {
+        let p = plan(100, SamplerKind::TorchRandom, 7);
+        let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+        let next_epoch_first = p.stream(1)[0];
+        // Epoch 1 is not planned (stream() does not keep it): no match there, no plan made.
+        let _ = t.on_open(next_epoch_first);
+        assert!(p.planned(1).is_none());
+    }
+
     /// A plan over `n` files whose ids equal their sample indices.
     fn plan(n: u32, kind: SamplerKind, seed: i128) -> Arc<Plan> {
         let mut cfg = SamplerConfig::new(kind);
@@ -312,7 +335,7 @@ mod tests {
         );
         for epoch in 0..3 {
             for f in p.stream(epoch) {
-                assert!(t.on_open(f).position.is_some());
+                assert!(planned_open(&mut t, f).position.is_some());
             }
             assert_eq!(t.epoch_position(), (epoch + 1, 0));
         }
@@ -334,7 +357,7 @@ mod tests {
         for chunk in stream.chunks(32) {
             let (a, b) = chunk.split_at(chunk.len().min(16));
             for f in b.iter().chain(a.iter()).rev() {
-                assert!(t.on_open(*f).position.is_some());
+                assert!(planned_open(&mut t, *f).position.is_some());
             }
         }
         assert_eq!(t.mispredictions(), 0);
@@ -354,7 +377,7 @@ mod tests {
         // The loader drops the last 5 samples of each epoch (drop_last batches).
         for epoch in 0..2 {
             for f in &p.stream(epoch)[..195] {
-                t.on_open(*f);
+                planned_open(&mut t, *f);
             }
         }
         assert_eq!(t.mispredictions(), 0);
@@ -376,7 +399,7 @@ mod tests {
         let stream = truth.stream(5);
         let mut lost_at = None;
         for (i, f) in stream.iter().enumerate().take(100) {
-            if t.on_open(*f).became_lost {
+            if planned_open(&mut t, *f).became_lost {
                 lost_at = Some(i);
                 break;
             }
@@ -389,7 +412,7 @@ mod tests {
         assert_eq!(offset, lost_at.unwrap() as u64 + 1);
         t.reposition(pos);
         for f in &stream[offset as usize..] {
-            assert!(t.on_open(*f).position.is_some());
+            assert!(planned_open(&mut t, *f).position.is_some());
         }
     }
 
@@ -408,7 +431,7 @@ mod tests {
             },
         );
         for f in p.stream(0) {
-            assert!(t.on_open(f).position.is_some());
+            assert!(planned_open(&mut t, f).position.is_some());
         }
         assert_eq!(t.epoch_position(), (1, 0));
     }

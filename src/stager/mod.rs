@@ -140,6 +140,9 @@ struct State {
     consecutive_failures: u32,
     /// Files whose source changed: never staged again by the frontier.
     changed: HashSet<FileId>,
+    /// Evicted files whose cache copy is being unlinked (after the lock was released): not
+    /// staged again until that is done, or the unlink would remove the new copy.
+    unlinking: HashSet<FileId>,
     /// Cached by a previous mount; checked against their checksum before first served.
     unverified: Unverified,
     access_seq: u64,
@@ -169,8 +172,29 @@ pub struct Stager {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// Replies to run once the state lock is released.
-type Deferred = Vec<(OpenCallback, OpenResult)>;
+/// How a waiting reader is to be answered: decided under the state lock, carried out after it
+/// is released, because opening a file (in the cache, or worse on SOURCE, whose metadata calls
+/// can take seconds) must never make every other open wait.
+enum Answer {
+    Done(OpenResult),
+    /// The cached copy, or SOURCE if it went meanwhile.
+    FromCache(FileId),
+    FromSource(FileId),
+}
+
+/// Work decided under the state lock and done once it is released: replies to send, cache
+/// copies of evicted files to unlink.
+#[derive(Default)]
+struct Deferred {
+    replies: Vec<(OpenCallback, Answer)>,
+    unlinks: Vec<FileId>,
+}
+
+impl Deferred {
+    fn is_empty(&self) -> bool {
+        self.replies.is_empty() && self.unlinks.is_empty()
+    }
+}
 
 impl Stager {
     pub fn start(
@@ -197,6 +221,7 @@ impl Stager {
             paused_until: None,
             consecutive_failures: 0,
             changed: HashSet::new(),
+            unlinking: HashSet::new(),
             unverified: Unverified::default(),
             access_seq: 0,
             opens_since_resync: 0,
@@ -237,8 +262,9 @@ impl Stager {
         {
             // Reused files beyond capacity (a smaller --cache-size than last time) go now,
             // furthest next use first.
-            let mut st = inner.state.lock();
-            inner.make_room(&mut st, 0, 0);
+            let mut deferred = Deferred::default();
+            inner.make_room(&mut inner.state.lock(), 0, 0, &mut deferred);
+            inner.finish(deferred);
         }
         let spawn = |name: String, body: fn(Arc<Inner>)| {
             let inner = inner.clone();
@@ -328,15 +354,40 @@ impl Stager {
     }
 }
 
-fn run_deferred(deferred: Deferred) {
-    for (reply, result) in deferred {
-        reply(result);
-    }
-}
-
 impl Inner {
     fn size_of(&self, file: FileId) -> u64 {
         self.catalog.entry(file).map_or(0, |e| e.size)
+    }
+
+    /// Does what was deferred while the state lock was held; call it without the lock.
+    fn finish(&self, deferred: Deferred) {
+        for (reply, answer) in deferred.replies {
+            reply(match answer {
+                Answer::Done(result) => result,
+                Answer::FromCache(file) => self
+                    .open_cached(file)
+                    .map(|f| Opened {
+                        file: f,
+                        from_cache: true,
+                    })
+                    .or_else(|_| self.open_source(file)),
+                Answer::FromSource(file) => self.open_source(file),
+            });
+        }
+        if deferred.unlinks.is_empty() {
+            return;
+        }
+        for &file in &deferred.unlinks {
+            self.cache.remove(&self.catalog, file);
+        }
+        let mut st = self.state.lock();
+        for file in deferred.unlinks {
+            st.unlinking.remove(&file);
+        }
+        // A reader may be waiting for one of them to be staged again.
+        if !st.urgent.is_empty() || self.copy_due(&mut st) {
+            self.work.notify_one();
+        }
     }
 
     fn open_cached(&self, file: FileId) -> std::io::Result<File> {
@@ -390,28 +441,34 @@ impl Inner {
                 Err(_) => {}
             }
         }
-        let state = st.files.get(file);
-        if state == FileState::Cached {
-            match self.open_cached(file) {
-                Ok(f) => {
-                    drop(st);
-                    Counters::add(&self.counters.hits, 1);
-                    reply(Ok(Opened {
-                        file: f,
-                        from_cache: true,
-                    }));
-                    return;
-                }
-                Err(e) => {
-                    // Someone removed it behind our back: forget it and stage again.
-                    log::warn!(
-                        "cached copy of {} vanished ({e}); staging it again",
-                        self.catalog.relative_path(file).display()
-                    );
-                    self.forget_cached(&mut st, file);
-                }
+        // A hit: the cache file is opened with the lock released. If it is evicted meanwhile
+        // the open fails and the state says so; if the state still says cached, try once more
+        // (it may have been evicted and staged again), then conclude it vanished.
+        for attempt in 0..2 {
+            if st.files.get(file) != FileState::Cached {
+                break;
+            }
+            drop(st);
+            let opened = self.open_cached(file);
+            if let Ok(f) = opened {
+                Counters::add(&self.counters.hits, 1);
+                reply(Ok(Opened {
+                    file: f,
+                    from_cache: true,
+                }));
+                return;
+            }
+            st = self.state.lock();
+            if attempt == 1 && st.files.get(file) == FileState::Cached {
+                // Someone removed it behind our back: forget it and stage again.
+                log::warn!(
+                    "cached copy of {} vanished; staging it again",
+                    self.catalog.relative_path(file).display()
+                );
+                self.forget_cached(&mut st, file);
             }
         }
+        let state = st.files.get(file);
         Counters::add(&self.counters.misses, 1);
         let size = self.size_of(file);
         let read_through = size >= self.settings.read_through_above;
@@ -602,7 +659,10 @@ impl Inner {
         let mut pos = from;
         while pos < to {
             let (epoch, offset) = self.plan.split(pos);
-            let plan = self.plan.epoch(epoch);
+            // The tracker matched opens only in planned epochs, so these are planned.
+            let Some(plan) = self.plan.planned(epoch) else {
+                break;
+            };
             let end = (to - pos).min(plan.len() - offset);
             for off in offset..offset + end {
                 let file = plan.stream[off as usize];
@@ -642,9 +702,11 @@ impl Inner {
         st.unverified.remove(file);
     }
 
-    fn evict(&self, st: &mut State, file: FileId) {
+    /// Drops `file` from the cache's books now; its copy is unlinked once the lock is released.
+    fn evict(&self, st: &mut State, file: FileId, deferred: &mut Deferred) {
         let size = self.size_of(file);
-        self.cache.remove(&self.catalog, file);
+        st.unlinking.insert(file);
+        deferred.unlinks.push(file);
         self.forget_cached(st, file);
         Counters::add(&self.counters.evictions, 1);
         if st.unread.remove(&file) {
@@ -654,10 +716,16 @@ impl Inner {
 
     /// Evicts files needed after `needed_at` until `bytes` more fit. False if that would mean
     /// evicting something needed sooner (Belady: then the new file is the one not to keep).
-    fn make_room(&self, st: &mut State, bytes: u64, needed_at: u64) -> bool {
+    fn make_room(
+        &self,
+        st: &mut State,
+        bytes: u64,
+        needed_at: u64,
+        deferred: &mut Deferred,
+    ) -> bool {
         while st.used + st.reserved + bytes > st.capacity {
             match st.evict.furthest() {
-                Some((key, victim)) if key > needed_at => self.evict(st, victim),
+                Some((key, victim)) if key > needed_at => self.evict(st, victim, deferred),
                 _ => return false,
             }
         }
@@ -670,26 +738,26 @@ impl Inner {
             if self.shutdown.load(Ordering::SeqCst) {
                 return;
             }
-            let mut deferred = Deferred::new();
+            let mut deferred = Deferred::default();
             match self.next_job(&mut st, &mut deferred) {
                 Some(job) => {
                     if !st.urgent.is_empty() || self.copy_due(&mut st) {
                         self.work.notify_one();
                     }
                     drop(st);
-                    run_deferred(deferred);
+                    self.finish(deferred);
                     let result = self.copy_with_retries(job.file);
                     st = self.state.lock();
                     let deferred = self.complete(&mut st, job, result);
                     if !deferred.is_empty() {
                         drop(st);
-                        run_deferred(deferred);
+                        self.finish(deferred);
                         st = self.state.lock();
                     }
                 }
                 None if !deferred.is_empty() => {
                     drop(st);
-                    run_deferred(deferred);
+                    self.finish(deferred);
                     st = self.state.lock();
                 }
                 None => {
@@ -701,13 +769,20 @@ impl Inner {
 
     /// The next copy to make: urgent files first, then the frontier.
     fn next_job(&self, st: &mut State, deferred: &mut Deferred) -> Option<Job> {
+        let mut held_back = Vec::new();
+        let mut urgent_job = None;
         while let Some(file) = st.urgent.pop_front() {
             if st.files.get(file) != FileState::Queued {
                 continue;
             }
+            if st.unlinking.contains(&file) {
+                // Its old copy is still being unlinked: once that is done (see finish).
+                held_back.push(file);
+                continue;
+            }
             let size = self.size_of(file);
             // A reader waits for it now: anything else may go.
-            if size > st.capacity || !self.make_room(st, size, 0) {
+            if size > st.capacity || !self.make_room(st, size, 0, deferred) {
                 // No room at all: serve the waiting readers from SOURCE instead.
                 st.files.set(file, FileState::Remote);
                 for w in st.waiters.remove(&file).unwrap_or_default() {
@@ -715,20 +790,27 @@ impl Inner {
                         &self.counters.stall_nanos,
                         w.since.elapsed().as_nanos() as u64,
                     );
-                    deferred.push((w.reply, self.open_source(file)));
+                    deferred.replies.push((w.reply, Answer::FromSource(file)));
                 }
                 continue;
             }
             st.files.set(file, FileState::Staging);
             st.reserved += size;
-            return Some(Job {
+            urgent_job = Some(Job {
                 file,
                 position: None,
             });
+            break;
+        }
+        for file in held_back.into_iter().rev() {
+            st.urgent.push_front(file);
+        }
+        if urgent_job.is_some() {
+            return urgent_job;
         }
         let (pos, file) = self.frontier_to_copy(st)?;
         let size = self.size_of(file);
-        if !self.make_room(st, size, pos) {
+        if !self.make_room(st, size, pos, deferred) {
             return None;
         }
         st.frontier += 1;
@@ -762,6 +844,10 @@ impl Inner {
             if file == Layout::NO_FILE {
                 st.frontier += 1;
                 continue;
+            }
+            if st.unlinking.contains(&file) {
+                // Staged again once its old copy is unlinked (see finish).
+                return None;
             }
             let size = self.size_of(file);
             let state = st.files.get(file);
@@ -818,17 +904,14 @@ impl Inner {
         st.reserved = st.reserved.saturating_sub(size);
         let waiters = st.waiters.remove(&file).unwrap_or_default();
         let had_waiters = !waiters.is_empty();
-        let mut deferred = Deferred::new();
-        let answer_all = |deferred: &mut Deferred, make: &dyn Fn() -> OpenResult| {
-            for w in waiters {
-                Counters::add(
-                    &self.counters.stall_nanos,
-                    w.since.elapsed().as_nanos() as u64,
-                );
-                deferred.push((w.reply, make()));
-            }
-        };
-        match result {
+        let mut deferred = Deferred::default();
+        /// How the waiting readers are answered, once the lock is released.
+        enum Then {
+            Cache,
+            Source,
+            Fail(i32),
+        }
+        let then = match result {
             Ok(bytes) => {
                 st.consecutive_failures = 0;
                 st.paused_until = None;
@@ -851,14 +934,7 @@ impl Inner {
                 if !had_waiters && job.position.is_some() {
                     st.unread.insert(file);
                 }
-                answer_all(&mut deferred, &|| {
-                    self.open_cached(file)
-                        .map(|f| Opened {
-                            file: f,
-                            from_cache: true,
-                        })
-                        .or_else(|_| self.open_source(file))
-                });
+                Then::Cache
             }
             Err(CopyError::NoSpace) => {
                 st.files.set(file, FileState::Remote);
@@ -875,10 +951,10 @@ impl Inner {
                 Counters::add(&self.counters.cache_full_events, 1);
                 // Free a little so the next copy has a chance, then serve readers from SOURCE.
                 if let Some((_, victim)) = st.evict.furthest() {
-                    self.evict(st, victim);
+                    self.evict(st, victim, &mut deferred);
                     st.capacity = st.capacity.saturating_sub(self.size_of(victim));
                 }
-                answer_all(&mut deferred, &|| self.open_source(file));
+                Then::Source
             }
             Err(CopyError::Cache(e)) => {
                 st.files.set(file, FileState::Remote);
@@ -887,7 +963,7 @@ impl Inner {
                     self.catalog.relative_path(file).display()
                 );
                 Counters::add(&self.counters.errors, 1);
-                answer_all(&mut deferred, &|| self.open_source(file));
+                Then::Source
             }
             Err(CopyError::SourceChanged { path, errno }) => {
                 // Not a fault of the file system: no pause, staging goes on with the others.
@@ -903,7 +979,7 @@ impl Inner {
                     }
                 );
                 Counters::add(&self.counters.errors, 1);
-                answer_all(&mut deferred, &|| Err(errno));
+                Then::Fail(errno)
             }
             Err(CopyError::Source { path, source }) => {
                 st.files.set(file, FileState::Remote);
@@ -920,8 +996,20 @@ impl Inner {
                 if let Some(pos) = job.position {
                     self.rewind_frontier(st, pos);
                 }
-                answer_all(&mut deferred, &|| Err(libc::EIO));
+                Then::Fail(libc::EIO)
             }
+        };
+        for w in waiters {
+            Counters::add(
+                &self.counters.stall_nanos,
+                w.since.elapsed().as_nanos() as u64,
+            );
+            let answer = match then {
+                Then::Cache => Answer::FromCache(file),
+                Then::Source => Answer::FromSource(file),
+                Then::Fail(errno) => Answer::Done(Err(errno)),
+            };
+            deferred.replies.push((w.reply, answer));
         }
         // No wake-up here: the worker that completed looks for the next job itself.
         deferred
@@ -934,8 +1022,9 @@ impl Inner {
             return;
         }
         st.frontier = pos;
+        // Positions behind the frontier are planned: it only moves over planned epochs.
         st.ahead_bytes = (cursor..pos)
-            .map(|p| self.plan.file_at(p))
+            .filter_map(|p| self.plan.planned_file_at(p))
             .filter(|&f| f != Layout::NO_FILE)
             .map(|f| self.size_of(f))
             .sum();
@@ -943,20 +1032,16 @@ impl Inner {
 
     /// After the cache file system was full, gives back capacity as space frees up (evicted
     /// files still open elsewhere keep their blocks until closed), up to what was configured.
-    fn regrow_capacity(&self, st: &mut State) {
-        if st.capacity >= self.settings.capacity {
-            return;
-        }
-        if let Ok((free, _)) = self.cache.filesystem_space() {
-            // Copies in flight are not counted: what they wrote so far is already missing from
-            // `free`, and counting their full size as well could grow the capacity past the
-            // file system's size (seen with 16 copies into an 8 MiB tmpfs).
-            let room = (st.used + free.saturating_sub(FULL_HEADROOM)).min(self.settings.capacity);
-            if room > st.capacity {
-                log::debug!("cache capacity back to {room} bytes");
-                st.capacity = room;
-                self.work.notify_all();
-            }
+    /// `free` is the file system's free space, asked for before the lock was taken.
+    fn regrow_capacity(&self, st: &mut State, free: u64) {
+        // Copies in flight are not counted: what they wrote so far is already missing from
+        // `free`, and counting their full size as well could grow the capacity past the file
+        // system's size (seen with 16 copies into an 8 MiB tmpfs).
+        let room = (st.used + free.saturating_sub(FULL_HEADROOM)).min(self.settings.capacity);
+        if room > st.capacity {
+            log::debug!("cache capacity back to {room} bytes");
+            st.capacity = room;
+            self.work.notify_all();
         }
     }
 
@@ -964,7 +1049,14 @@ impl Inner {
     fn sweeper(self: Arc<Self>) {
         while !self.shutdown.load(Ordering::SeqCst) {
             std::thread::sleep(SWEEP_INTERVAL);
-            let mut deferred = Deferred::new();
+            let mut deferred = Deferred::default();
+            // statvfs is I/O on the cache file system: asked before taking the lock, and only
+            // while the capacity is lowered.
+            let lowered = self.state.lock().capacity < self.settings.capacity;
+            let free = lowered
+                .then(|| self.cache.filesystem_space().ok())
+                .flatten()
+                .map(|(free, _)| free);
             {
                 let mut st = self.state.lock();
                 let timeout = self.settings.open_timeout;
@@ -983,17 +1075,19 @@ impl Inner {
                             &self.counters.stall_nanos,
                             w.since.elapsed().as_nanos() as u64,
                         );
-                        deferred.push((w.reply, Err(libc::EIO)));
+                        deferred.replies.push((w.reply, Answer::Done(Err(libc::EIO))));
                     }
                 }
                 st.waiters.retain(|_, l| !l.is_empty());
-                self.regrow_capacity(&mut st);
+                if let Some(free) = free {
+                    self.regrow_capacity(&mut st, free);
+                }
                 if st.paused_until.is_some_and(|t| Instant::now() >= t) {
                     st.paused_until = None;
                     self.work.notify_all();
                 }
             }
-            run_deferred(deferred);
+            self.finish(deferred);
         }
     }
 }
