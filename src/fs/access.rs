@@ -45,9 +45,6 @@ use crate::catalog::FileId;
 /// Credentials whose decisions are kept: a node's mount is shared by a few users at most.
 const MAX_CREDENTIALS: usize = 16;
 
-/// Groups a thread may hold (Linux's NGROUPS_MAX).
-const NGROUPS_MAX: usize = 65536;
-
 /// Why a request is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
@@ -353,8 +350,7 @@ impl Gate {
                 "the caller is outside the daemon's pid namespace".into(),
             ));
         }
-        let text = std::fs::read(format!("/proc/{}/status", caller.pid))
-            .map_err(|e| refuse(e.to_string()))?;
+        let text = read_status(caller.pid).map_err(|e| refuse(e.to_string()))?;
         let status = parse_status(&text).map_err(|e| refuse(e.to_string()))?;
         if status.tgid == self.pid {
             return Err(Refusal::Reentrant(caller.pid));
@@ -370,6 +366,23 @@ impl Gate {
             gid: caller.gid,
             groups: status.groups,
         })
+    }
+}
+
+/// `/proc/<pid>/status`, read without `fs::read`'s extra stat: it is on every open of
+/// another user.
+fn read_status(pid: u32) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(format!("/proc/{pid}/status"))?;
+    let mut text = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        match file.read(&mut chunk) {
+            Ok(0) => return Ok(text),
+            Ok(n) => text.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -552,16 +565,16 @@ fn set_groups(groups: &[u32]) -> Result<(), SwitchError> {
 
 /// This thread's supplementary groups, sorted as the kernel keeps them.
 fn groups_now() -> Result<Vec<u32>, SwitchError> {
-    let mut groups = vec![0u32; NGROUPS_MAX];
-    // SAFETY: a buffer of NGROUPS_MAX gid_t, the most the kernel returns.
+    let failed = || SwitchError::Call {
+        call: "getgroups",
+        source: io::Error::last_os_error(),
+    };
+    // SAFETY: a size of 0 asks only for the count; the pointer is not used.
+    let count = unsafe { libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<u32>()) };
+    let mut groups = vec![0u32; usize::try_from(count).map_err(|_| failed())?];
+    // SAFETY: a buffer of `groups.len()` gid_t; this thread alone changes its groups.
     let n = unsafe { libc::syscall(libc::SYS_getgroups, groups.len(), groups.as_mut_ptr()) };
-    if n < 0 {
-        return Err(SwitchError::Call {
-            call: "getgroups",
-            source: io::Error::last_os_error(),
-        });
-    }
-    groups.truncate(n as usize);
+    groups.truncate(usize::try_from(n).map_err(|_| failed())?);
     Ok(groups)
 }
 
@@ -613,7 +626,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
 
     #[test]
     fn this_process_status_parses() {
-        let s = parse_status(&std::fs::read("/proc/self/status").unwrap()).unwrap();
+        let s = parse_status(&read_status(std::process::id()).unwrap()).unwrap();
         assert_eq!(s.tgid, std::process::id());
     }
 
