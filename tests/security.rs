@@ -16,13 +16,25 @@ use common::*;
 
 const NOBODY: &str = "65534";
 
+/// Another user than nobody, for controls: what nobody is refused, this one is not.
+const CONTROL: &str = "1000";
+
 /// Runs `cmd args...` as uid/gid 65534 with no supplementary groups.
 fn as_nobody(cmd: &str, args: &[&Path]) -> Output {
+    as_user(NOBODY, &[], cmd, args)
+}
+
+/// Runs `cmd args...` as uid and gid `uid` with exactly the supplementary `groups`.
+fn as_user(uid: &str, groups: &[&str], cmd: &str, args: &[&Path]) -> Output {
+    let groups = match groups {
+        [] => "--clear-groups".to_string(),
+        g => format!("--groups={}", g.join(",")),
+    };
     Command::new("setpriv")
         .args([
-            &format!("--reuid={NOBODY}"),
-            &format!("--regid={NOBODY}"),
-            "--clear-groups",
+            &format!("--reuid={uid}"),
+            &format!("--regid={uid}"),
+            &groups,
             "timeout",
             "20",
             cmd,
@@ -34,12 +46,36 @@ fn as_nobody(cmd: &str, args: &[&Path]) -> Output {
 
 /// Asserts `cmd path` as nobody fails with "Permission denied".
 fn denied(cmd: &str, path: &Path) {
-    let out = as_nobody(cmd, &[path]);
+    denied_to(NOBODY, &[], cmd, path);
+}
+
+/// Asserts `cmd path` as `uid` with `groups` fails with "Permission denied".
+fn denied_to(uid: &str, groups: &[&str], cmd: &str, path: &Path) {
+    let out = as_user(uid, groups, cmd, &[path]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("Permission denied"),
-        "{cmd} {path:?} as nobody: {out:?}"
+        "{cmd} {path:?} as {uid} (groups {groups:?}): {out:?}"
     );
+}
+
+/// Asserts `cat path` as `uid` with `groups` prints `want`.
+fn reads(uid: &str, groups: &[&str], path: &Path, want: &[u8]) {
+    let out = as_user(uid, groups, "cat", &[path]);
+    assert_eq!(
+        out.stdout, want,
+        "cat {path:?} as {uid} (groups {groups:?}): {out:?}"
+    );
+}
+
+/// `setfacl ARGS` (package acl).
+fn setfacl(args: &[&str], path: &Path) {
+    let out = Command::new("setfacl")
+        .args(args)
+        .arg(path)
+        .output()
+        .expect("run setfacl (apt-get install acl)");
+    assert!(out.status.success(), "setfacl {args:?} {path:?}: {out:?}");
 }
 
 /// A work directory others may traverse (tempdir makes it 0700), so that what they are
@@ -179,4 +215,150 @@ fn links_out_of_the_source_are_never_served_or_staged() {
             "{f:?} holds an outside file"
         );
     }
+}
+
+/// Mode bits say yes, SOURCE says no: an ACL entry refusing nobody a 0644 file, and one
+/// refusing nobody search in a 0755 directory. The mount must refuse what SOURCE refuses,
+/// and still serve the same files to another user and to root. Fails on the code that only
+/// had the kernel check the catalogued mode bits (`default_permissions`).
+#[test]
+fn acls_on_source_are_honoured() {
+    let tmp = open_workdir();
+    let src = tmp.path().join("src");
+    write_tree(
+        &src,
+        &[
+            ("c1/open.jpg", b"open".to_vec()),
+            ("c1/acl.jpg", b"acl".to_vec()),
+            ("c3/x.jpg", b"behind acl dir".to_vec()),
+        ],
+    );
+    setfacl(&["-m", &format!("u:{NOBODY}:-")], &src.join("c1/acl.jpg"));
+    setfacl(&["-m", &format!("u:{NOBODY}:-")], &src.join("c3"));
+    // SOURCE itself: the mode bits allow, the ACLs do not.
+    assert_eq!(
+        src.join("c1/acl.jpg").metadata().unwrap().mode() & 0o777,
+        0o644
+    );
+    denied("cat", &src.join("c1/acl.jpg"));
+    denied("cat", &src.join("c3/x.jpg"));
+
+    let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
+    reads(NOBODY, &[], &m.mnt.join("c1/open.jpg"), b"open");
+    denied("cat", &m.mnt.join("c1/acl.jpg"));
+    denied("cat", &m.mnt.join("c3/x.jpg"));
+    denied("ls", &m.mnt.join("c3"));
+    // Asked again (the decision is cached now): still refused.
+    denied("cat", &m.mnt.join("c1/acl.jpg"));
+    // Another user, and root, read all of it; the refusals were nobody's alone.
+    reads(CONTROL, &[], &m.mnt.join("c1/acl.jpg"), b"acl");
+    reads(CONTROL, &[], &m.mnt.join("c3/x.jpg"), b"behind acl dir");
+    let out = as_user(CONTROL, &[], "ls", &[&m.mnt.join("c3")]);
+    assert_eq!(out.stdout, b"x.jpg\n", "{out:?}");
+    assert_eq!(fs::read(m.mnt.join("c1/acl.jpg")).unwrap(), b"acl");
+    assert_eq!(fs::read(m.mnt.join("c3/x.jpg")).unwrap(), b"behind acl dir");
+    // Once staged, the cached copy is refused as the source file was.
+    assert_eq!(m.wait_stat("cached_files", 3), 3);
+    denied("cat", &m.mnt.join("c1/acl.jpg"));
+    reads(CONTROL, &[], &m.mnt.join("c1/acl.jpg"), b"acl");
+}
+
+/// Supplementary groups count as on SOURCE: a 0640 file of group G is read by a user who
+/// has G only as a supplementary group and refused to the same user without it; and an ACL
+/// entry refusing group H refuses a member of H that the mode bits alone would let in. The
+/// last part fails on the code that checked mode bits only; the first passes there too (the
+/// kernel's own check sees the groups), and guards that the new check is given them.
+#[test]
+fn supplementary_groups_are_honoured() {
+    const G: &str = "4242";
+    const H: &str = "4243";
+    let tmp = open_workdir();
+    let src = tmp.path().join("src");
+    write_tree(
+        &src,
+        &[
+            ("c1/group.jpg", b"for G".to_vec()),
+            ("c1/not_h.jpg", b"not for H".to_vec()),
+        ],
+    );
+    let group_file = src.join("c1/group.jpg");
+    std::os::unix::fs::chown(&group_file, None, Some(G.parse().unwrap())).unwrap();
+    fs::set_permissions(&group_file, fs::Permissions::from_mode(0o640)).unwrap();
+    setfacl(&["-m", &format!("g:{H}:-")], &src.join("c1/not_h.jpg"));
+
+    let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
+    reads(CONTROL, &[G], &m.mnt.join("c1/group.jpg"), b"for G");
+    reads(
+        CONTROL,
+        &["7", G, "8"],
+        &m.mnt.join("c1/group.jpg"),
+        b"for G",
+    );
+    denied_to(CONTROL, &[], "cat", &m.mnt.join("c1/group.jpg"));
+    denied_to(CONTROL, &["7"], "cat", &m.mnt.join("c1/group.jpg"));
+
+    reads(CONTROL, &[], &m.mnt.join("c1/not_h.jpg"), b"not for H");
+    denied_to(CONTROL, &[H], "cat", &m.mnt.join("c1/not_h.jpg"));
+    denied_to(CONTROL, &[G, H], "cat", &m.mnt.join("c1/not_h.jpg"));
+    reads(CONTROL, &[G], &m.mnt.join("c1/not_h.jpg"), b"not for H");
+
+    assert_eq!(fs::read(m.mnt.join("c1/group.jpg")).unwrap(), b"for G");
+    assert_eq!(fs::read(m.mnt.join("c1/not_h.jpg")).unwrap(), b"not for H");
+}
+
+/// A large dataset file replaced, after the scan, by a link back into the mount itself:
+/// the daemon reads it through from SOURCE on the FUSE thread that got the open, so its own
+/// open arrives as a request from the daemon, and must be refused at once. On the code
+/// before, each hop took another FUSE thread until none was left, and the mount hung for
+/// every reader and for `stagefs unmount`. (The cache is smaller than the file, so it is
+/// never staged before the swap.)
+#[test]
+fn a_source_link_back_into_the_mount_is_refused_not_waited_on() {
+    let tmp = open_workdir();
+    let src = tmp.path().join("src");
+    write_tree(
+        &src,
+        &[
+            ("c1/big.jpg", vec![7u8; 256 * 1024]),
+            ("c1/ok.jpg", b"ok".to_vec()),
+        ],
+    );
+    let m = TestMount::new(
+        &src,
+        tmp.path(),
+        &[
+            "--read-through-above",
+            "32K",
+            "--cache-size",
+            "64K",
+            "--fuse-threads",
+            "4",
+        ],
+    );
+    let big = src.join("c1/big.jpg");
+    fs::remove_file(&big).unwrap();
+    symlink(m.mnt.join("c1/big.jpg"), &big).unwrap();
+    let run = |secs: &str, path: &Path| {
+        let started = std::time::Instant::now();
+        let out = Command::new("timeout")
+            .args([secs, "cat"])
+            .arg(path)
+            .output()
+            .unwrap();
+        (out, started.elapsed())
+    };
+    for _ in 0..3 {
+        let (out, took) = run("15", &m.mnt.join("c1/big.jpg"));
+        assert!(
+            !out.status.success() && out.status.code() != Some(124),
+            "cat big.jpg: {:?} {} bytes, stderr {:?}, after {took:?}",
+            out.status,
+            out.stdout.len(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(took.as_secs() < 5, "refused only after {took:?}");
+    }
+    // Every FUSE thread is still free: the mount answers, and serves the rest.
+    let (out, _) = run("10", &m.mnt.join("c1/ok.jpg"));
+    assert_eq!(out.stdout, b"ok", "{out:?}");
 }

@@ -5,14 +5,17 @@
 //! open (a cache file, handed to the kernel for passthrough when it can, or the source file),
 //! statistics and control from [`xattr`]. Every modifying operation answers EROFS: the mount is
 //! read-only by contract, but is not mounted `ro` because `setfattr user.stagefs.epoch` on the
-//! root is how a job tells stagefs where it restarts.
+//! root is how a job tells stagefs where it restarts. Who may open what is [`access`]'s:
+//! SOURCE's own kernel decides, on top of the kernel's mode-bit check (`default_permissions`).
 
+mod access;
 mod xattr;
 
 pub use xattr::parse_epoch;
 
 use std::ffi::OsStr;
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -32,6 +35,7 @@ use fuser::{
 use crate::catalog::{Catalog, Entry, FileId, Kind};
 use crate::stager::{Opened, Stager};
 use crate::stats::{Counters, Snapshot};
+use access::{Caller, Gate};
 
 /// The dataset does not change while mounted, so the kernel may keep attributes and entries
 /// (positive and negative) for as long as it likes; a day bounds it in case it ever does.
@@ -79,11 +83,16 @@ pub struct StageFs {
     /// Decided at init from the kernel's capabilities, turned off for good if the kernel
     /// refuses a backing file (e.g. not privileged).
     passthrough: Arc<AtomicBool>,
+    gate: Gate,
 }
 
 impl StageFs {
+    /// Opens SOURCE's root for permission checks: called before mounting, so that fd can
+    /// never lead into the mount.
     pub fn new(data: Arc<MountedDataset>) -> StageFs {
+        let gate = Gate::new(data.catalog.root_path(), data.catalog.len());
         StageFs {
+            gate,
             data,
             handles: Arc::new(DashMap::new()),
             opens: Arc::new(DashMap::new()),
@@ -164,6 +173,31 @@ impl StageFs {
             .map(|(i, (id, name))| (id, i as u64 + 1, name)))
     }
 
+    /// Refuses the daemon's own requests, and what SOURCE would refuse `req`'s user.
+    fn permitted(&self, req: &Request, id: FileId, mask: i32) -> Result<(), Errno> {
+        let caller = Caller {
+            uid: req.uid(),
+            gid: req.gid(),
+            pid: req.pid(),
+        };
+        let catalog = &self.data.catalog;
+        self.gate
+            .check(caller, id, mask, || catalog.relative_path(id))
+            .map_err(|refusal| {
+                match refusal {
+                    access::Refusal::Denied(_) => {
+                        log::debug!("{}: {refusal}", catalog.relative_path(id).display())
+                    }
+                    _ => log::warn!(
+                        "refused {} to pid {}: {refusal}",
+                        catalog.relative_path(id).display(),
+                        caller.pid
+                    ),
+                }
+                Errno::from_i32(refusal.errno())
+            })
+    }
+
     pub fn snapshot(data: &MountedDataset, passthrough: bool) -> Snapshot {
         Snapshot::take(
             &data.counters,
@@ -204,19 +238,20 @@ impl Filesystem for StageFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let catalog = &self.data.catalog;
-        match catalog.lookup(Self::id(parent), name) {
-            Some(id) => reply.entry(
-                &TTL,
-                &self.attr(id, catalog.entry(id).expect("child")),
-                Generation(0),
-            ),
+        // Answered from the catalog, never waiting: a lookup re-entering the mount from the
+        // daemon itself costs nothing, so it needs no refusal.
+        let found = catalog
+            .lookup(Self::id(parent), name)
+            .and_then(|id| Some((id, catalog.entry(id)?)));
+        match (found, self.entry(parent)) {
+            (Some((id, e)), _) => reply.entry(&TTL, &self.attr(id, e), Generation(0)),
             // A zero-inode entry tells the kernel to cache the negative lookup for TTL.
-            None if self.entry(parent).is_ok_and(|e| e.kind == Kind::Directory) => {
-                let mut attr = self.attr(Self::id(parent), self.entry(parent).expect("parent"));
+            (None, Ok(p)) if p.kind == Kind::Directory => {
+                let mut attr = self.attr(Self::id(parent), p);
                 attr.ino = INodeNo(0);
                 reply.entry(&TTL, &attr, Generation(0))
             }
-            None => reply.error(Errno::ENOENT),
+            (None, _) => reply.error(Errno::ENOENT),
         }
     }
 
@@ -234,7 +269,7 @@ impl Filesystem for StageFs {
         }
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
             return reply.error(Errno::EROFS);
         }
@@ -244,6 +279,9 @@ impl Filesystem for StageFs {
             Ok(e) if e.kind == Kind::Directory => return reply.error(Errno::EISDIR),
             Ok(_) => return reply.error(Errno::EINVAL),
             Err(err) => return reply.error(err),
+        }
+        if let Err(err) = self.permitted(req, id, libc::R_OK) {
+            return reply.error(err);
         }
         let handles = self.handles.clone();
         let opens = self.opens.clone();
@@ -413,12 +451,17 @@ impl Filesystem for StageFs {
         reply.error(Errno::ENOSYS);
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.entry(ino) {
-            Ok(e) if e.kind == Kind::Directory => reply.opened(
-                FileHandle(0),
-                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
-            ),
+            Ok(e) if e.kind == Kind::Directory => {
+                match self.permitted(req, Self::id(ino), libc::R_OK) {
+                    Ok(()) => reply.opened(
+                        FileHandle(0),
+                        FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+                    ),
+                    Err(err) => reply.error(err),
+                }
+            }
             Ok(_) => reply.error(Errno::ENOTDIR),
             Err(err) => reply.error(err),
         }
@@ -471,11 +514,15 @@ impl Filesystem for StageFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let c = std::ffi::CString::new(self.data.catalog.root_path().as_os_str().as_bytes())
-            .unwrap_or_default();
+        // Through the root fd opened before mounting: SOURCE's path, if replaced by a link
+        // into the mount, would have this thread wait on the mount itself.
+        let Some(root) = self.gate.source_root() else {
+            return reply.error(Errno::EIO);
+        };
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid C string and out pointer.
-        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        // SAFETY: a valid fd and out pointer.
+        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } != 0 {
             return reply.error(Errno::EIO);
         }
         reply.statfs(
@@ -490,10 +537,16 @@ impl Filesystem for StageFs {
         );
     }
 
-    fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+    /// Sent only if the mount lacks `default_permissions` (the kernel answers access(2)
+    /// from the mode bits otherwise); then it is SOURCE's answer, as for open.
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        let checked = (mask & (AccessFlags::R_OK | AccessFlags::X_OK)).bits();
         match self.entry(ino) {
             Ok(_) if mask.contains(AccessFlags::W_OK) => reply.error(Errno::EROFS),
-            Ok(_) => reply.ok(),
+            Ok(_) => match self.permitted(req, Self::id(ino), checked) {
+                Ok(()) => reply.ok(),
+                Err(err) => reply.error(err),
+            },
             Err(err) => reply.error(err),
         }
     }

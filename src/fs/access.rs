@@ -1,0 +1,764 @@
+//! Who may open what through the mount: SOURCE's own kernel decides, with the caller's
+//! credentials; and no request from the daemon itself is ever waited on.
+//!
+//! The mount keeps `default_permissions`: the kernel checks the catalogued mode bits first,
+//! cheaply, and that also guards metadata (lookups, stat) through its dentry cache. Mode bits
+//! are not the whole answer, though: ACLs, and servers that refuse a user what the bits
+//! allow, would let a root `--allow-other` mount serve a file its reader could not open on
+//! SOURCE. So an open or opendir by another user than the daemon's is checked again on
+//! SOURCE: this FUSE thread alone takes on the caller's fsuid, fsgid and supplementary groups
+//! (raw syscalls: Linux credentials are per thread, and glibc's `setgroups` would change
+//! every thread of the daemon), walks to the file from a SOURCE root fd opened before the
+//! mount existed (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`,
+//! `O_PATH`: the walk checks search permission on every directory and can never reach the
+//! mount, so the check itself cannot re-enter it), asks `faccessat2(AT_EACCESS)`, and
+//! restores its own credentials (or aborts the daemon, which must never run as someone else).
+//! Directories above SOURCE are not checked: the mount presents SOURCE as its root, and the
+//! mountpoint's own parents gate who reaches it. A file on another file system mounted below
+//! SOURCE is refused to other users (EACCES): the no-crossing rule is what keeps the check
+//! out of the mount.
+//!
+//! The dataset is a snapshot while mounted, so decisions are kept for the mount's lifetime:
+//! per credential, two bits per catalog id (checked, allowed), for a bounded number of
+//! credentials. Groups are read from `/proc/<pid>/status` on every such open (the request
+//! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
+//! gid of the request (the pid was reused), the open is refused.
+//!
+//! Re-entrancy: a request whose pid is one of the daemon's own threads (a stager thread that
+//! opened a SOURCE path leading back into the mount) is answered at once with EDEADLK.
+//! Waiting on it could take every FUSE thread. Only open and opendir need it: lookup,
+//! getattr and readdir answer from the catalog without waiting, and a read needs a handle
+//! that only an open grants.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::catalog::FileId;
+
+/// Credentials whose decisions are kept: a node's mount is shared by a few users at most.
+const MAX_CREDENTIALS: usize = 16;
+
+/// Why a request is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("request from the daemon's own thread {0}: it re-enters the mount")]
+    Reentrant(u32),
+    #[error("SOURCE refuses it to uid {0}")]
+    Denied(u32),
+    #[error("credentials of pid {pid} unknown: {reason}")]
+    Credentials { pid: u32, reason: String },
+    #[error("cannot take on the caller's credentials: {0}")]
+    Switch(#[from] SwitchError),
+    #[error("SOURCE's root could not be opened at mount time")]
+    NoRoot,
+    #[error("checking {path} on SOURCE: {source}")]
+    Check { path: PathBuf, source: io::Error },
+}
+
+impl Refusal {
+    pub fn errno(&self) -> i32 {
+        match self {
+            Refusal::Reentrant(_) => libc::EDEADLK,
+            Refusal::Check { source, .. } => match source.raw_os_error() {
+                Some(libc::ENOENT | libc::ENOTDIR) => libc::ENOENT,
+                // A catalogued path holds no links: one there now means SOURCE changed.
+                Some(libc::ELOOP) => libc::ESTALE,
+                _ => libc::EACCES,
+            },
+            _ => libc::EACCES,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SwitchError {
+    #[error("{call}: {source}")]
+    Call {
+        call: &'static str,
+        source: io::Error,
+    },
+    #[error("{call} did not take (still {now})")]
+    NotTaken { call: &'static str, now: u32 },
+}
+
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StatusError {
+    #[error("no {0} line")]
+    Missing(&'static str),
+    #[error("malformed {0} line")]
+    Malformed(&'static str),
+}
+
+/// The fields of `/proc/<pid>/status` a decision needs.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Status {
+    pub tgid: u32,
+    pub fsuid: u32,
+    pub fsgid: u32,
+    /// Supplementary groups, sorted.
+    pub groups: Vec<u32>,
+}
+
+/// Parses `/proc/<pid>/status`. `Uid:`/`Gid:` list real, effective, saved and fs ids; the fs
+/// ones are what permission checks use, and what a FUSE request carries.
+pub fn parse_status(text: &[u8]) -> Result<Status, StatusError> {
+    let mut tgid = None;
+    let mut fsuid = None;
+    let mut fsgid = None;
+    let mut groups = None;
+    for line in text.split(|&b| b == b'\n') {
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        let (key, rest) = (&line[..colon], &line[colon + 1..]);
+        let numbers = || {
+            rest.split(|b| b.is_ascii_whitespace())
+                .filter(|w| !w.is_empty())
+                .map(|w| std::str::from_utf8(w).ok()?.parse::<u32>().ok())
+        };
+        match key {
+            b"Tgid" => {
+                tgid = Some(
+                    numbers()
+                        .next()
+                        .flatten()
+                        .ok_or(StatusError::Malformed("Tgid"))?,
+                )
+            }
+            b"Uid" => {
+                fsuid = Some(
+                    numbers()
+                        .nth(3)
+                        .flatten()
+                        .ok_or(StatusError::Malformed("Uid"))?,
+                )
+            }
+            b"Gid" => {
+                fsgid = Some(
+                    numbers()
+                        .nth(3)
+                        .flatten()
+                        .ok_or(StatusError::Malformed("Gid"))?,
+                )
+            }
+            b"Groups" => {
+                let g: Option<Vec<u32>> = numbers().collect();
+                groups = Some(g.ok_or(StatusError::Malformed("Groups"))?);
+            }
+            _ => {}
+        }
+    }
+    let mut groups = groups.ok_or(StatusError::Missing("Groups"))?;
+    groups.sort_unstable();
+    groups.dedup();
+    Ok(Status {
+        tgid: tgid.ok_or(StatusError::Missing("Tgid"))?,
+        fsuid: fsuid.ok_or(StatusError::Missing("Uid"))?,
+        fsgid: fsgid.ok_or(StatusError::Missing("Gid"))?,
+        groups,
+    })
+}
+
+/// A caller's file-system identity: what SOURCE's permission checks look at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Credential {
+    pub uid: u32,
+    pub gid: u32,
+    /// Sorted, without duplicates.
+    pub groups: Vec<u32>,
+}
+
+/// Decisions for one credential: two bits per catalog id, `01` checked and denied, `11`
+/// checked and allowed. Atomic, so a hit takes no lock beyond finding the credential.
+struct Marks(Box<[AtomicU64]>);
+
+impl Marks {
+    fn new(ids: usize) -> Marks {
+        Marks((0..ids.div_ceil(32)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn get(&self, id: FileId) -> Option<bool> {
+        let word = self.0.get(id as usize / 32)?.load(Ordering::Relaxed);
+        match (word >> ((id % 32) * 2)) & 0b11 {
+            0b01 => Some(false),
+            0b11 => Some(true),
+            _ => None,
+        }
+    }
+
+    fn set(&self, id: FileId, allowed: bool) {
+        if let Some(word) = self.0.get(id as usize / 32) {
+            word.fetch_or(
+                (0b01 | (allowed as u64) << 1) << ((id % 32) * 2),
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+/// Read-permission decisions over catalog ids, per credential, at most [`MAX_CREDENTIALS`]
+/// of them (the least recently used is dropped).
+pub struct Decisions {
+    ids: usize,
+    /// Most recently used first.
+    table: Mutex<Vec<(Credential, Arc<Marks>)>>,
+}
+
+impl Decisions {
+    pub fn new(ids: usize) -> Decisions {
+        Decisions {
+            ids,
+            table: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn marks(&self, cred: &Credential) -> Arc<Marks> {
+        let mut table = self.table.lock();
+        if let Some(i) = table.iter().position(|(c, _)| c == cred) {
+            table[..=i].rotate_right(1);
+            return table[0].1.clone();
+        }
+        table.truncate(MAX_CREDENTIALS - 1);
+        let marks = Arc::new(Marks::new(self.ids));
+        table.insert(0, (cred.clone(), marks.clone()));
+        marks
+    }
+
+    /// The decision recorded for `cred` on `id`, if any.
+    pub fn get(&self, cred: &Credential, id: FileId) -> Option<bool> {
+        self.marks(cred).get(id)
+    }
+
+    pub fn set(&self, cred: &Credential, id: FileId, allowed: bool) {
+        self.marks(cred).set(id, allowed);
+    }
+}
+
+/// The requester, as a FUSE request names it.
+#[derive(Clone, Copy, Debug)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+}
+
+/// Decides opens: refuses the daemon's own requests, and asks SOURCE about other users'.
+pub struct Gate {
+    /// `O_PATH` fd of SOURCE's root, opened before the mount existed.
+    root: Option<OwnedFd>,
+    euid: u32,
+    pid: u32,
+    decisions: Decisions,
+    /// A failed root open or credential switch is logged once, not once per open.
+    warned: AtomicBool,
+}
+
+impl Gate {
+    /// `ids`: the catalog's size. Never fails: without SOURCE's root fd every check denies.
+    pub fn new(root: &Path, ids: usize) -> Gate {
+        let root = open_root(root)
+            .inspect_err(|e| {
+                log::error!(
+                    "cannot open SOURCE {} for permission checks ({e}); other users will be refused",
+                    root.display()
+                )
+            })
+            .ok();
+        Gate {
+            root,
+            // SAFETY: geteuid has no preconditions.
+            euid: unsafe { libc::geteuid() },
+            pid: std::process::id(),
+            decisions: Decisions::new(ids),
+            warned: AtomicBool::new(false),
+        }
+    }
+
+    /// SOURCE's root, opened before the mount existed.
+    pub fn source_root(&self) -> Option<BorrowedFd<'_>> {
+        self.root.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Whether `caller` may have `id` with `mask` (`R_OK`, `X_OK`, `F_OK`): refused if the
+    /// request comes from the daemon itself, checked on SOURCE for any user but the daemon's.
+    /// `path` gives `id`'s path relative to SOURCE, computed only when SOURCE is asked.
+    pub fn check(
+        &self,
+        caller: Caller,
+        id: FileId,
+        mask: i32,
+        path: impl FnOnce() -> PathBuf,
+    ) -> Result<(), Refusal> {
+        if caller.uid == self.euid {
+            // The daemon's own threads run as its euid (the checks below never reach the
+            // mount), so only such a request can be one of theirs.
+            return match caller.pid != 0 && own_thread(caller.pid) {
+                true => Err(Refusal::Reentrant(caller.pid)),
+                false => Ok(()),
+            };
+        }
+        let cred = self.credential(caller)?;
+        let cacheable = mask == libc::R_OK;
+        if cacheable && let Some(allowed) = self.decisions.get(&cred, id) {
+            return allowed.then_some(()).ok_or(Refusal::Denied(cred.uid));
+        }
+        let root = self.root.as_ref().ok_or(Refusal::NoRoot)?;
+        let relative = path();
+        let result = {
+            let _as_caller = AsCaller::enter(&cred).inspect_err(|e| {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    log::error!("{e}: other users will be refused");
+                }
+            })?;
+            check_on_source(root, &relative, mask)
+        };
+        match result {
+            Ok(()) => {
+                if cacheable {
+                    self.decisions.set(&cred, id, true);
+                }
+                Ok(())
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => {
+                if cacheable {
+                    self.decisions.set(&cred, id, false);
+                }
+                Err(Refusal::Denied(cred.uid))
+            }
+            Err(source) => Err(Refusal::Check {
+                path: relative,
+                source,
+            }),
+        }
+    }
+
+    /// The caller's credential, from the request and `/proc/<pid>/status`.
+    fn credential(&self, caller: Caller) -> Result<Credential, Refusal> {
+        let refuse = |reason: String| Refusal::Credentials {
+            pid: caller.pid,
+            reason,
+        };
+        if caller.pid == 0 {
+            return Err(refuse(
+                "the caller is outside the daemon's pid namespace".into(),
+            ));
+        }
+        let text = read_status(caller.pid).map_err(|e| refuse(e.to_string()))?;
+        let status = parse_status(&text).map_err(|e| refuse(e.to_string()))?;
+        if status.tgid == self.pid {
+            return Err(Refusal::Reentrant(caller.pid));
+        }
+        if (status.fsuid, status.fsgid) != (caller.uid, caller.gid) {
+            return Err(refuse(format!(
+                "it now runs as {}:{}, the request came as {}:{}",
+                status.fsuid, status.fsgid, caller.uid, caller.gid
+            )));
+        }
+        Ok(Credential {
+            uid: caller.uid,
+            gid: caller.gid,
+            groups: status.groups,
+        })
+    }
+}
+
+/// `/proc/<pid>/status`, read without `fs::read`'s extra stat: it is on every open of
+/// another user.
+fn read_status(pid: u32) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(format!("/proc/{pid}/status"))?;
+    let mut text = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        match file.read(&mut chunk) {
+            Ok(0) => return Ok(text),
+            Ok(n) => text.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `tid` is a thread of this process.
+fn own_thread(tid: u32) -> bool {
+    Path::new(&format!("/proc/self/task/{tid}")).exists()
+}
+
+fn cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn open_root(root: &Path) -> io::Result<OwnedFd> {
+    let c = cstring(root)?;
+    // SAFETY: a valid C string; the flags ask for nothing but a path fd.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `struct open_how` (libc's is non-exhaustive, so it cannot be built outside libc).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
+/// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
+/// stagefs mount; it checks search permission on every directory it passes.
+fn check_on_source(root: &OwnedFd, relative: &Path, mask: i32) -> io::Result<()> {
+    let path = if relative.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        relative
+    };
+    let c = cstring(path)?;
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+    };
+    // SAFETY: valid fd, C string and open_how, with its size.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let file = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: valid fd and an empty C string, as AT_EMPTY_PATH requires.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_faccessat2,
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            mask,
+            libc::AT_EACCESS | libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// This thread's file-system credentials, as they were before [`AsCaller::enter`].
+struct Saved {
+    fsuid: u32,
+    fsgid: u32,
+    groups: Vec<u32>,
+}
+
+/// This thread, and only it, acting with a caller's fsuid, fsgid and groups until dropped.
+struct AsCaller {
+    saved: Saved,
+}
+
+impl AsCaller {
+    fn enter(cred: &Credential) -> Result<AsCaller, SwitchError> {
+        let saved = Saved {
+            fsuid: fsuid_now(),
+            fsgid: fsgid_now(),
+            groups: groups_now()?,
+        };
+        // From here on, Drop restores whatever was changed.
+        let guard = AsCaller { saved };
+        // Groups and fsgid first: changing them needs CAP_SETGID, which leaving fsuid 0 keeps,
+        // but the fsuid is the switch that drops the file capabilities.
+        set_groups(&cred.groups)?;
+        set_fsgid(cred.gid)?;
+        set_fsuid(cred.uid)?;
+        Ok(guard)
+    }
+}
+
+impl Drop for AsCaller {
+    fn drop(&mut self) {
+        let restored = set_fsuid(self.saved.fsuid)
+            .and_then(|()| set_fsgid(self.saved.fsgid))
+            .and_then(|()| set_groups(&self.saved.groups));
+        if let Err(e) = restored {
+            // Going on would serve and stage as another user.
+            log::error!("cannot restore the FUSE thread's credentials ({e}); aborting");
+            std::process::abort();
+        }
+    }
+}
+
+fn fsuid_now() -> u32 {
+    // SAFETY: setfsuid with an invalid id (-1) changes nothing and returns the current fsuid.
+    unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32 }
+}
+
+fn fsgid_now() -> u32 {
+    // SAFETY: setfsgid with an invalid id (-1) changes nothing and returns the current fsgid.
+    unsafe { libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32 }
+}
+
+/// setfsuid reports no error: the result is verified by reading it back.
+fn set_fsuid(uid: u32) -> Result<(), SwitchError> {
+    // SAFETY: setfsuid takes any id; it changes only this thread's credentials.
+    unsafe { libc::syscall(libc::SYS_setfsuid, uid) };
+    match fsuid_now() {
+        now if now == uid => Ok(()),
+        now => Err(SwitchError::NotTaken {
+            call: "setfsuid",
+            now,
+        }),
+    }
+}
+
+fn set_fsgid(gid: u32) -> Result<(), SwitchError> {
+    // SAFETY: setfsgid takes any id; it changes only this thread's credentials.
+    unsafe { libc::syscall(libc::SYS_setfsgid, gid) };
+    match fsgid_now() {
+        now if now == gid => Ok(()),
+        now => Err(SwitchError::NotTaken {
+            call: "setfsgid",
+            now,
+        }),
+    }
+}
+
+/// The raw syscall, not glibc's wrapper, which would set the groups of every thread.
+fn set_groups(groups: &[u32]) -> Result<(), SwitchError> {
+    // SAFETY: a valid array of `groups.len()` gid_t; only this thread's credentials change.
+    let r = unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) };
+    if r != 0 {
+        return Err(SwitchError::Call {
+            call: "setgroups",
+            source: io::Error::last_os_error(),
+        });
+    }
+    match groups_now()? {
+        now if now == groups => Ok(()),
+        now => Err(SwitchError::NotTaken {
+            call: "setgroups",
+            now: now.len() as u32,
+        }),
+    }
+}
+
+/// This thread's supplementary groups, sorted as the kernel keeps them.
+fn groups_now() -> Result<Vec<u32>, SwitchError> {
+    let failed = || SwitchError::Call {
+        call: "getgroups",
+        source: io::Error::last_os_error(),
+    };
+    // SAFETY: a size of 0 asks only for the count; the pointer is not used.
+    let count = unsafe { libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<u32>()) };
+    let mut groups = vec![0u32; usize::try_from(count).map_err(|_| failed())?];
+    // SAFETY: a buffer of `groups.len()` gid_t; this thread alone changes its groups.
+    let n = unsafe { libc::syscall(libc::SYS_getgroups, groups.len(), groups.as_mut_ptr()) };
+    groups.truncate(usize::try_from(n).map_err(|_| failed())?);
+    Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATUS: &[u8] =
+        b"Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4242\nNgid:\t0\n\
+Pid:\t4243\nPPid:\t1\nTracerPid:\t0\nUid:\t1000\t1000\t1000\t1001\nGid:\t100\t100\t100\t101\n\
+FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
+
+    #[test]
+    fn status_gives_tgid_fs_ids_and_sorted_groups() {
+        assert_eq!(
+            parse_status(STATUS),
+            Ok(Status {
+                tgid: 4242,
+                fsuid: 1001,
+                fsgid: 101,
+                groups: vec![4, 27, 100],
+            })
+        );
+    }
+
+    #[test]
+    fn empty_groups_line_is_no_groups() {
+        let s = parse_status(b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n").unwrap();
+        assert!(s.groups.is_empty());
+    }
+
+    /// A status that cannot be understood must refuse, never mean "no groups".
+    #[test]
+    fn missing_or_malformed_lines_are_errors() {
+        let without_groups = b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n";
+        assert_eq!(
+            parse_status(without_groups),
+            Err(StatusError::Missing("Groups"))
+        );
+        let bad_group = b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t1 x\n";
+        assert_eq!(
+            parse_status(bad_group),
+            Err(StatusError::Malformed("Groups"))
+        );
+        let short_uid = b"Tgid:\t1\nUid:\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n";
+        assert_eq!(parse_status(short_uid), Err(StatusError::Malformed("Uid")));
+        assert_eq!(parse_status(b""), Err(StatusError::Missing("Groups")));
+    }
+
+    #[test]
+    fn this_process_status_parses() {
+        let s = parse_status(&read_status(std::process::id()).unwrap()).unwrap();
+        assert_eq!(s.tgid, std::process::id());
+    }
+
+    fn cred(uid: u32, groups: &[u32]) -> Credential {
+        Credential {
+            uid,
+            gid: uid,
+            groups: groups.to_vec(),
+        }
+    }
+
+    #[test]
+    fn decisions_are_per_credential_and_per_id() {
+        let d = Decisions::new(100);
+        let a = cred(1000, &[]);
+        let a_in_g = cred(1000, &[50]);
+        assert_eq!(d.get(&a, 7), None);
+        d.set(&a, 7, false);
+        d.set(&a, 8, true);
+        d.set(&a_in_g, 7, true);
+        assert_eq!(d.get(&a, 7), Some(false));
+        assert_eq!(d.get(&a, 8), Some(true));
+        assert_eq!(d.get(&a, 6), None);
+        assert_eq!(d.get(&a, 9), None);
+        assert_eq!(
+            d.get(&a_in_g, 7),
+            Some(true),
+            "groups are part of the credential"
+        );
+        // Ids around word boundaries, and out of range (never recorded, never a panic).
+        d.set(&a, 31, true);
+        d.set(&a, 32, false);
+        d.set(&a, 99, true);
+        d.set(&a, 1000, true);
+        assert_eq!(
+            (d.get(&a, 31), d.get(&a, 32), d.get(&a, 99)),
+            (Some(true), Some(false), Some(true))
+        );
+        assert_eq!(d.get(&a, 1000), None);
+    }
+
+    #[test]
+    fn credentials_kept_are_bounded_least_recently_used_dropped() {
+        let d = Decisions::new(10);
+        let first = cred(1, &[]);
+        d.set(&first, 1, true);
+        for uid in 2..=MAX_CREDENTIALS as u32 + 5 {
+            // `first` stays recent: it is used between every new credential.
+            assert_eq!(d.get(&first, 1), Some(true));
+            d.set(&cred(uid, &[]), 1, true);
+        }
+        assert_eq!(d.table.lock().len(), MAX_CREDENTIALS);
+        assert_eq!(d.get(&first, 1), Some(true));
+        assert_eq!(d.get(&cred(2, &[]), 1), None, "the oldest was dropped");
+    }
+
+    #[test]
+    fn errnos() {
+        let check = |e| Refusal::Check {
+            path: PathBuf::new(),
+            source: io::Error::from_raw_os_error(e),
+        };
+        assert_eq!(Refusal::Reentrant(1).errno(), libc::EDEADLK);
+        assert_eq!(Refusal::Denied(1).errno(), libc::EACCES);
+        assert_eq!(check(libc::ENOTDIR).errno(), libc::ENOENT);
+        assert_eq!(check(libc::ELOOP).errno(), libc::ESTALE);
+        assert_eq!(check(libc::EXDEV).errno(), libc::EACCES);
+    }
+
+    /// Root only (CI runs as root): the switch changes this thread alone, SOURCE's kernel
+    /// then answers for the caller, and everything is restored.
+    #[test]
+    fn switch_is_per_thread_and_restored() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, b"x").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let root = open_root(dir.path()).unwrap();
+        let (before_uid, before_groups) = (fsuid_now(), groups_now().unwrap());
+        let nobody = cred(65534, &[]);
+        let in_group_0 = Credential {
+            uid: 65534,
+            gid: 65534,
+            groups: vec![0],
+        };
+        let (switched, main_sees) = (AtomicBool::new(false), AtomicBool::new(false));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let guard = AsCaller::enter(&nobody).unwrap();
+                assert_eq!((fsuid_now(), fsgid_now()), (65534, 65534));
+                switched.store(true, Ordering::SeqCst);
+                while !main_sees.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
+                let e = check_on_source(&root, Path::new("secret"), libc::R_OK).unwrap_err();
+                assert_eq!(e.raw_os_error(), Some(libc::EACCES));
+                check_on_source(&root, Path::new(""), libc::R_OK | libc::X_OK).unwrap();
+                drop(guard);
+                assert_eq!(
+                    (fsuid_now(), groups_now().unwrap()),
+                    (before_uid, before_groups.clone())
+                );
+                let _as_member = AsCaller::enter(&in_group_0).unwrap();
+                check_on_source(&root, Path::new("secret"), libc::R_OK).unwrap();
+            });
+            while !switched.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            // Meanwhile this thread is still itself.
+            assert_eq!(
+                (fsuid_now(), groups_now().unwrap()),
+                (before_uid, before_groups.clone())
+            );
+            main_sees.store(true, Ordering::SeqCst);
+        });
+        assert_eq!(fsuid_now(), before_uid);
+    }
+
+    /// Re-entrancy detection needs no mount: this thread is one of our own.
+    #[test]
+    fn own_threads_are_recognised() {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        assert!(own_thread(tid));
+        assert!(own_thread(std::process::id()));
+        assert!(!own_thread(1));
+    }
+}
