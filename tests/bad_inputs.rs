@@ -208,6 +208,30 @@ const COMMAND_LINES: &[Case] = &[
         &[],
         "stagefs: epoch 5000000000000 of numpy-legacy means replaying the random draws of every earlier epoch",
     ),
+    // Positions of the epoch and the next one must fit in 64 bits (7 per epoch here), the
+    // same rule as for user.stagefs.epoch.
+    scanned(
+        "mount --epoch 18446744073709551614",
+        &[],
+        "stagefs: epoch 18446744073709551614 is too large",
+    ),
+    scanned(
+        "mount --epoch 2635249153387078801",
+        &[],
+        "stagefs: epoch 2635249153387078801 is too large",
+    ),
+    early(
+        "mount --metrics-file @W/nodir/m.prom",
+        "stagefs: --metrics-file @W/nodir/m.prom: cannot write in @W/nodir: No such file or directory",
+    ),
+    early(
+        "mount --metrics-file @W",
+        "stagefs: --metrics-file @W: is a directory",
+    ),
+    early(
+        "mount --metrics-file @RO/m.prom",
+        "stagefs: --metrics-file @RO/m.prom: cannot write in @RO: Read-only file system",
+    ),
     scanned(
         LIST,
         &[("l.txt", "c1/a.jpg\nc1/b.jpg\nc1/nope.jpg\n")],
@@ -295,6 +319,22 @@ const COMMAND_LINES: &[Case] = &[
         "order --source @S --layout list --list-file @W/l.txt",
         &[("l.txt", "c1/a.jpg\n../x\n")],
         "stagefs: --list-file @W/l.txt line 2: '../x' contains '..'",
+    ),
+    early(
+        "stats @W --interval nan",
+        "error: invalid value 'nan' for '--interval <SECS>'",
+    ),
+    early(
+        "stats @W --interval inf",
+        "error: invalid value 'inf' for '--interval <SECS>'",
+    ),
+    early(
+        "stats @W --interval 0",
+        "error: invalid value '0' for '--interval <SECS>'",
+    ),
+    early(
+        "stats @W --interval=-1",
+        "error: invalid value '-1' for '--interval <SECS>'",
     ),
     early("unmount @W", "stagefs: @W is not a mount point"),
     early("unmount @W/nope", "stagefs: @W/nope is not a mount point"),

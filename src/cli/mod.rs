@@ -4,6 +4,7 @@
 mod demo;
 mod index_cmd;
 pub mod mount;
+pub mod mounts;
 mod order_cmd;
 pub mod size;
 mod stats_cmd;
@@ -153,6 +154,13 @@ impl LayoutArgs {
 
 pub fn run() -> i32 {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Mount(_) | Command::Demo(_)) {
+        // Rust ignores SIGPIPE, which makes a print to a closed pipe panic. A command whose
+        // reader went away (`stagefs stats --watch | head -1`) should just end, as `cat`
+        // does. Not for the commands that hold a mount: they must live to unmount it.
+        // SAFETY: restoring a default disposition, before any other thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Mount(args) => mount::run(*args),
         Command::Unmount(args) => unmount::run(args),

@@ -8,8 +8,8 @@
 use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
-use std::os::unix::io::{FromRawFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::io::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use fuser::{Config, MountOption, SessionACL};
 
+use super::mounts;
 use super::size::{Lookahead, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::cache::{CacheDir, index_path};
@@ -130,7 +131,12 @@ pub struct RunningMount {
     pub session: fuser::BackgroundSession,
     pub data: Arc<MountedDataset>,
     pub passthrough: Arc<std::sync::atomic::AtomicBool>,
+    /// Absolute (the daemon leaves its starting directory).
     pub mountpoint: PathBuf,
+    /// The mount this daemon made, as /proc/self/mountinfo lists it: the only one it may
+    /// unmount. The path alone is not enough: after `umount MNT` from outside, a new mount
+    /// (another stagefs, a tmpfs) may be there by the time this daemon exits.
+    pub mount: mounts::MountEntry,
 }
 
 impl RunningMount {
@@ -141,28 +147,39 @@ impl RunningMount {
             session,
             data,
             mountpoint,
+            mount,
             ..
         } = self;
-        if let Err(e) = detach(&mountpoint) {
-            log::warn!("unmounting {}: {e}", mountpoint.display());
+        // umount2 goes by path: only while the mount on top there is ours. Once the kernel
+        // has ended our session, ours is gone and its ID and device may be a new mount's.
+        let alive = !session.guard.is_finished();
+        let on_top = mounts::at(&mountpoint)
+            .last()
+            .is_some_and(|m| m.same(&mount));
+        if alive && on_top {
+            if let Err(e) = detach(&mountpoint) {
+                log::warn!("unmounting {}: {e}", mountpoint.display());
+            }
+        } else if alive {
+            log::warn!(
+                "this mount is no longer the one on top at {}: not unmounting by path",
+                mountpoint.display()
+            );
         }
         let deadline = Instant::now() + LAZY_WAIT;
         while !session.guard.is_finished() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        if !session.guard.is_finished() {
+        let finished = session.guard.is_finished();
+        // Dropping the session would make fuser unmount by path, taking whatever is mounted
+        // there by now; the kernel has ended ours already (or ends it when we exit).
+        std::mem::forget(session);
+        if !finished {
             log::warn!(
                 "files on {} are still open after {LAZY_WAIT:?}; exiting anyway (their readers get ENOTCONN)",
                 mountpoint.display()
             );
-            // Dropping the session would unmount whatever is mounted at that path by now.
-            std::mem::forget(session);
             return;
-        }
-        // The kernel has ended the session. fuser still tries its own unmount, which can only
-        // find the mount gone already (EINVAL): not worth a warning.
-        if let Err(e) = session.umount_and_join() {
-            log::debug!("fuser unmounting {}: {e}", mountpoint.display());
         }
         if let Ok(data) = Arc::try_unwrap(data) {
             data.stager.shutdown();
@@ -178,25 +195,16 @@ const LAZY_WAIT: Duration = Duration::from_secs(10);
 /// until someone unmounts it): the mount is then detached lazily, so it disappears at once
 /// and the open files keep working until they are closed.
 fn detach(mountpoint: &Path) -> Result<(), String> {
-    let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
-        .map_err(|_| "mountpoint contains a NUL byte".to_string())?;
-    // SAFETY: valid C string.
-    if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+    let Err(err) = mounts::umount(mountpoint, 0) else {
         return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
+    };
     match err.raw_os_error() {
         Some(libc::EBUSY) => {
             log::warn!(
                 "{} is busy (a reader holds a file open): detaching it lazily",
                 mountpoint.display()
             );
-            // SAFETY: valid C string.
-            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error().to_string())
-            }
+            mounts::umount(mountpoint, libc::MNT_DETACH).map_err(|e| e.to_string())
         }
         // Already unmounted from outside (`fusermount3 -u`, `umount`).
         Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(()),
@@ -264,7 +272,19 @@ pub fn run(args: MountArgs) -> Result<(), String> {
         started.stop();
         return Err("the starting command exited before the mount was ready".into());
     }
-    let metrics = args.metrics_file.clone().map(|path| {
+    // Resolved before chdir; absolute() fails only without a current directory.
+    let metrics_path = (args.metrics_file.as_deref())
+        .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
+    // The daemon must not pin the directory it was started from (that file system could not
+    // be unmounted while it runs); the paths it keeps using are absolute.
+    // SAFETY: valid C string.
+    if unsafe { libc::chdir(c"/".as_ptr()) } != 0 {
+        log::warn!(
+            "cannot leave the starting directory: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let metrics = metrics_path.map(|path| {
         crate::stats::MetricsWriter::start(path, started.data.clone(), started.passthrough.clone())
     });
     wait_for_exit(&started);
@@ -444,25 +464,13 @@ pub fn check_paths(args: &MountArgs) -> Result<(), String> {
     fs::read_dir(source)
         .map_err(|e| format!("source {} is not readable: {e}", source.display()))?;
     let mp = &args.mountpoint;
-    let mp_meta = match fs::metadata(mp) {
-        Ok(m) => m,
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            return Err(format!(
-                "mountpoint {} is a dead FUSE mount (its daemon is gone); run `stagefs unmount {}` first",
-                mp.display(),
-                mp.display()
-            ));
-        }
-        Err(e) => return Err(format!("mountpoint {}: {e}", mp.display())),
-    };
+    // Before any stat of it: a stopped daemon's mount there would never answer one.
+    if mounts::is_mount_point(mp) {
+        return Err(already_mounted(mp));
+    }
+    let mp_meta = fs::metadata(mp).map_err(|e| format!("mountpoint {}: {e}", mp.display()))?;
     if !mp_meta.is_dir() {
         return Err(format!("mountpoint {} is not a directory", mp.display()));
-    }
-    if is_mount_point(mp) {
-        return Err(format!(
-            "mountpoint {} is already a mount point; unmount it first or pick another directory",
-            mp.display()
-        ));
     }
     let source_abs =
         fs::canonicalize(source).map_err(|e| format!("source {}: {e}", source.display()))?;
@@ -511,44 +519,37 @@ fn absolute_for_new(path: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
-/// True if `path` is itself a mount point (its device differs from its parent's, or it is
-/// listed in /proc/self/mountinfo, which also catches bind mounts of the same device).
-pub fn is_mount_point(path: &Path) -> bool {
-    let Ok(abs) = fs::canonicalize(path) else {
-        return false;
-    };
-    if let (Ok(m), Some(parent)) = (fs::metadata(&abs), abs.parent())
-        && let Ok(pm) = fs::metadata(parent)
-        && m.dev() != pm.dev()
-    {
-        return true;
-    }
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    info.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .any(|p| Path::new(&unescape_mountinfo(p)) == abs)
+fn already_mounted(mp: &Path) -> String {
+    format!(
+        "mountpoint {} is already a mount point; unmount it first or pick another directory",
+        mp.display()
+    )
 }
 
-/// mountinfo escapes space, tab, newline and backslash as octal.
-pub fn unescape_mountinfo(s: &str) -> String {
-    let mut out = Vec::with_capacity(s.len());
-    let b = s.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
+/// How long a mount waits for another `stagefs mount` at the same mountpoint to finish.
+const CLAIM_WAIT: Duration = Duration::from_secs(10);
+
+/// Serializes mounts at one mountpoint: takes an flock on the directory (the one underneath,
+/// while nothing is mounted there) and checks again that nothing is mounted. Two `stagefs
+/// mount` started together both pass [`check_paths`]; the later one waits here until the
+/// first has mounted, then sees its mount. The lock lasts as long as the returned file.
+fn claim_mountpoint(mp: &Path) -> Result<fs::File, String> {
+    let dir = fs::File::open(mp).map_err(|e| format!("mountpoint {}: {e}", mp.display()))?;
+    let deadline = Instant::now() + CLAIM_WAIT;
+    // SAFETY: flock on a descriptor we own; non-blocking, so the wait stays bounded.
+    while unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "another stagefs mount at {} has been starting for {CLAIM_WAIT:?}; wait for it or pick another directory",
+                mp.display()
+            ));
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    String::from_utf8_lossy(&out).into_owned()
+    if mounts::is_mount_point(mp) {
+        return Err(already_mounted(mp));
+    }
+    Ok(dir)
 }
 
 fn check_fuse_available() -> Result<(), String> {
@@ -645,6 +646,9 @@ fn settings(args: &MountArgs) -> Result<Settings, String> {
         .map_err(|e| format!("--lookahead: {e}"))?;
     let read_through_above =
         parse_size(&args.read_through_above).map_err(|e| format!("--read-through-above: {e}"))?;
+    if let Some(path) = &args.metrics_file {
+        check_metrics_file(path)?;
+    }
     if args.stage_threads == 0 || args.fuse_threads == 0 || args.scan_threads == 0 {
         return Err("--stage-threads, --fuse-threads and --scan-threads must be at least 1".into());
     }
@@ -666,6 +670,31 @@ fn settings(args: &MountArgs) -> Result<Settings, String> {
     })
 }
 
+/// The metrics file is replaced atomically (temp file + rename in its directory): that
+/// directory must exist and be writable, and the path must not be a directory. Checked before
+/// the daemon starts, since the daemon could only log it.
+fn check_metrics_file(path: &Path) -> Result<(), String> {
+    let fail = |why: String| format!("--metrics-file {}: {why}", path.display());
+    if path.is_dir() {
+        return Err(fail("is a directory; give a file name".into()));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| fail("contains a NUL byte".into()))?;
+    // SAFETY: valid C string.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(fail(format!(
+            "cannot write in {}: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
 /// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.
 pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     check_paths(args)?;
@@ -678,6 +707,9 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     } = settings(args)?;
     let source = fs::canonicalize(&args.source)
         .map_err(|e| format!("source {}: {e}", args.source.display()))?;
+    // Not a mount point (checked above), so resolving it does not enter one.
+    let mountpoint = fs::canonicalize(&args.mountpoint)
+        .map_err(|e| format!("mountpoint {}: {e}", args.mountpoint.display()))?;
 
     let cache_root = absolute_for_new(&args.cache)?;
     let (catalog, scanned) = load_catalog(args, &source, &cache_root)?;
@@ -751,6 +783,8 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     blocked_signals();
     let local_source =
         LocalSource::new(&source).map_err(|e| format!("source {}: {e}", source.display()))?;
+    // Held until mounted; taken before staging starts so a refused mount copies nothing.
+    let claim = claim_mountpoint(&mountpoint)?;
     let stager = Stager::start(
         catalog.clone(),
         Arc::new(local_source),
@@ -795,13 +829,26 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     };
     config.n_threads = Some(args.fuse_threads);
     config.clone_fd = true;
-    let session = fuser::spawn_mount(fs_impl, &args.mountpoint, &config)
-        .map_err(|e| format!("cannot mount at {}: {e}", args.mountpoint.display()))?;
+    let session = fuser::spawn_mount(fs_impl, &mountpoint, &config)
+        .map_err(|e| format!("cannot mount at {}: {e}", mountpoint.display()))?;
+    // Under the claim, the FUSE mount on top at the mountpoint is the one just made (its type
+    // reads `fuse` or `fuse.stagefs` depending on how it was mounted).
+    let mount = mounts::at(&mountpoint)
+        .into_iter()
+        .rfind(|m| m.fstype.starts_with("fuse"))
+        .ok_or_else(|| {
+            format!(
+                "mounted at {} but the mount is not in /proc/self/mountinfo",
+                mountpoint.display()
+            )
+        })?;
+    drop(claim);
     log::info!("passthrough in use: {}", passthrough.load(Ordering::SeqCst));
     Ok(RunningMount {
         session,
         data,
         passthrough,
-        mountpoint: args.mountpoint.clone(),
+        mountpoint,
+        mount,
     })
 }

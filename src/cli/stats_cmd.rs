@@ -25,9 +25,23 @@ pub struct StatsArgs {
     /// Refresh continuously with a progress bar of the current epoch (Ctrl-C to stop)
     #[arg(long)]
     pub watch: bool,
-    /// Refresh interval for --watch, in seconds
-    #[arg(long, default_value_t = 1.0, value_name = "SECS")]
-    pub interval: f64,
+    /// Refresh interval for --watch, in seconds (0.1 to 3600)
+    #[arg(long, default_value = "1", value_name = "SECS", value_parser = parse_interval)]
+    pub interval: Duration,
+}
+
+/// Shortest and longest `--interval`: faster would keep the daemon busy answering.
+const INTERVALS: std::ops::RangeInclusive<f64> = 0.1..=3600.0;
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    match s.parse::<f64>() {
+        Ok(secs) if INTERVALS.contains(&secs) => Ok(Duration::from_secs_f64(secs)),
+        _ => Err(format!(
+            "give a number of seconds from {} to {}",
+            INTERVALS.start(),
+            INTERVALS.end()
+        )),
+    }
 }
 
 pub fn read_snapshot(mountpoint: &Path) -> Result<Snapshot, String> {
@@ -36,25 +50,42 @@ pub fn read_snapshot(mountpoint: &Path) -> Result<Snapshot, String> {
         .map_err(|e| format!("{}: unreadable statistics ({e})", mountpoint.display()))
 }
 
+/// How long a daemon gets to answer before it counts as stopped or wedged.
+pub const ANSWER_WAIT: Duration = Duration::from_secs(5);
+
+/// Attribute `name` of `path`, or why not, in one line. Bounded by [`ANSWER_WAIT`]: a stopped
+/// daemon's mount would block getxattr forever.
 pub fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
+    let (p, n) = (path.to_path_buf(), name.to_string());
+    let Some(answer) = super::mounts::bounded(ANSWER_WAIT, move || getxattr(&p, &n)) else {
+        return Err(format!(
+            "{}: its stagefs daemon did not answer within {ANSWER_WAIT:?} (stopped or wedged); `stagefs unmount {}` removes the mount",
+            path.display(),
+            path.display()
+        ));
+    };
+    answer.map_err(|e| match e.raw_os_error() {
+        Some(libc::ENODATA) if is_inside_mount(path) => format!(
+            "{} is inside a stagefs mount, not its root: give the mount point",
+            path.display()
+        ),
+        Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
+            format!("{} is not a stagefs mount", path.display())
+        }
+        _ => format!("{}: {e}", path.display()),
+    })
+}
+
+/// getxattr(2), unbounded: it blocks as long as the daemon of the mount does.
+pub fn getxattr(path: &Path, name: &str) -> std::io::Result<Vec<u8>> {
     let p = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| "path contains a NUL byte".to_string())?;
-    let n = CString::new(name).expect("static name");
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let n = CString::new(name).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     let mut buf = vec![0u8; 64 * 1024];
     // SAFETY: valid C strings and a buffer of the stated length.
     let len = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     if len < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENODATA) if is_inside_mount(path) => format!(
-                "{} is inside a stagefs mount, not its root: give the mount point",
-                path.display()
-            ),
-            Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
-                format!("{} is not a stagefs mount", path.display())
-            }
-            _ => format!("{}: {e}", path.display()),
-        });
+        return Err(std::io::Error::last_os_error());
     }
     buf.truncate(len as usize);
     Ok(buf)
@@ -187,7 +218,6 @@ pub fn status_line(s: &Snapshot, mbps: f64) -> String {
 }
 
 fn watch(args: &StatsArgs, first: Snapshot) -> Result<(), String> {
-    let interval = Duration::from_secs_f64(args.interval.clamp(0.1, 3600.0));
     // Drawn in place only when stdout is a terminal (hidden otherwise: then we print lines).
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
     bar.set_style(ProgressStyle::with_template("{msg}").expect("valid template"));
@@ -212,7 +242,7 @@ fn watch(args: &StatsArgs, first: Snapshot) -> Result<(), String> {
         } else {
             bar.set_message(line);
         }
-        std::thread::sleep(interval);
+        std::thread::sleep(args.interval);
     }
 }
 

@@ -1,12 +1,16 @@
-//! `stagefs unmount`: detach a stagefs mount, including one whose daemon died.
+//! `stagefs unmount`: detach a stagefs mount, including one whose daemon died, is stopped or
+//! is wedged. Nothing here waits on the daemon for more than a few seconds: a daemon that does
+//! not answer gets its FUSE connection aborted (fusectl) and its mount detached lazily.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use super::mount::{is_mount_point, which};
+use super::mount::which;
+use super::mounts::{self, MountEntry};
+use super::stats_cmd::{ANSWER_WAIT, getxattr};
 
 /// How long to wait for the kernel to drop the mount after asking.
 const UNMOUNT_WAIT: Duration = Duration::from_secs(10);
@@ -18,28 +22,73 @@ pub struct UnmountArgs {
 }
 
 pub fn run(args: UnmountArgs) -> Result<(), String> {
-    let mp = &args.mountpoint;
-    // A dead mount fails stat with ENOTCONN; it is still a mount to remove.
-    let dead = matches!(std::fs::metadata(mp), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN));
-    if !dead && !is_mount_point(mp) {
+    let mp = args.mountpoint;
+    // Found in the mount table, not by stat: a stopped daemon's mount never answers a stat.
+    let Some(mount) = mounts::at(&mp).pop() else {
         return Err(format!("{} is not a mount point", mp.display()));
-    }
-    // The daemon's pid, to wait for it to exit so its cache is free for the next mount.
-    let daemon_pid: Option<i32> = if dead {
-        None
-    } else {
-        super::stats_cmd::read_xattr(mp, "user.stagefs.pid")
-            .ok()
-            .and_then(|v| String::from_utf8(v).ok())
-            .and_then(|s| s.parse().ok())
     };
-    let result = detach(mp, dead);
-    if result.is_ok()
-        && let Some(pid) = daemon_pid
-    {
-        wait_exit(pid);
+    // The daemon's pid, to wait for it to exit so its cache is free for the next mount. A dead
+    // daemon's mount answers ENOTCONN at once; a stopped or wedged one not at all.
+    let path = mp.clone();
+    let answer = mounts::bounded(ANSWER_WAIT, move || getxattr(&path, "user.stagefs.pid"));
+    let Some(answer) = answer else {
+        return force(
+            &mp,
+            &mount,
+            &format!("its daemon did not answer within {ANSWER_WAIT:?} (stopped or wedged)"),
+        );
+    };
+    let dead = matches!(&answer, Err(e) if e.raw_os_error() == Some(libc::ENOTCONN));
+    let daemon_pid: Option<i32> = answer
+        .ok()
+        .and_then(|v| String::from_utf8(v).ok())
+        .and_then(|s| s.parse().ok());
+    let (path, entry) = (mp.clone(), mount.clone());
+    match mounts::bounded(UNMOUNT_WAIT, move || detach(&path, &entry, dead)) {
+        None => force(
+            &mp,
+            &mount,
+            &format!("unmounting it did not finish within {UNMOUNT_WAIT:?}"),
+        ),
+        Some(Err(e)) => Err(e),
+        Some(Ok(())) => {
+            if let Some(pid) = daemon_pid {
+                wait_exit(pid);
+            }
+            Ok(())
+        }
     }
-    result
+}
+
+/// Removes a mount whose daemon does not answer: aborts its FUSE connection (every waiting
+/// call fails at once) and detaches it lazily, then says on one line what was done.
+fn force(mp: &Path, mount: &MountEntry, why: &str) -> Result<(), String> {
+    let mut done = Vec::new();
+    if mount.fstype.starts_with("fuse") {
+        mounts::abort_connection(mount)
+            .map_err(|e| format!("{} does not answer ({why}) and {e}", mp.display()))?;
+        done.push(format!("aborted its FUSE connection {}", mount.minor));
+    }
+    // Only if it is still the mount on top there: never detach a mount made since.
+    if mounts::at(mp).last().is_some_and(|m| m.same(mount)) {
+        let path = mp.to_path_buf();
+        match mounts::bounded(UNMOUNT_WAIT, move || {
+            mounts::umount(&path, libc::MNT_DETACH)
+        }) {
+            Some(Ok(())) => done.push("detached it".to_string()),
+            Some(Err(e)) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Some(Err(e)) => return Err(format!("cannot detach {}: {e}", mp.display())),
+            None => {
+                return Err(format!(
+                    "{} does not answer ({why}) and detaching it hangs too",
+                    mp.display()
+                ));
+            }
+        }
+    }
+    wait_gone(mp, mount)?;
+    eprintln!("stagefs: {}: {why}: {}", mp.display(), done.join(" and "));
+    Ok(())
 }
 
 /// Waits (bounded) for process `pid` to exit.
@@ -51,7 +100,7 @@ fn wait_exit(pid: i32) {
     }
 }
 
-fn detach(mp: &std::path::Path, dead: bool) -> Result<(), String> {
+fn detach(mp: &Path, mount: &MountEntry, dead: bool) -> Result<(), String> {
     let mut last_error = String::new();
     // SAFETY: no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
@@ -65,21 +114,18 @@ fn detach(mp: &std::path::Path, dead: bool) -> Result<(), String> {
     for (tool, flags) in helpers {
         let Some(path) = which(tool) else { continue };
         match Command::new(path).args(*flags).arg(mp).output() {
-            Ok(out) if out.status.success() => return wait_gone(mp),
+            Ok(out) if out.status.success() => return wait_gone(mp, mount),
             Ok(out) => last_error = String::from_utf8_lossy(&out.stderr).trim().to_string(),
             Err(e) => last_error = e.to_string(),
         }
     }
-    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())
-        .map_err(|_| "mountpoint contains a NUL byte".to_string())?;
     // A dead daemon's mount is detached lazily; a live one is unmounted normally so a busy
     // mount is reported instead of hidden.
     let flags = if dead { libc::MNT_DETACH } else { 0 };
-    // SAFETY: valid C string.
-    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
-        return wait_gone(mp);
-    }
-    let e = std::io::Error::last_os_error();
+    let e = match mounts::umount(mp, flags) {
+        Ok(()) => return wait_gone(mp, mount),
+        Err(e) => e,
+    };
     if e.raw_os_error() == Some(libc::EBUSY) {
         return Err(format!(
             "{} is busy: a process still uses it (see `fuser -vm {}`)",
@@ -98,9 +144,10 @@ fn detach(mp: &std::path::Path, dead: bool) -> Result<(), String> {
     ))
 }
 
-fn wait_gone(mp: &std::path::Path) -> Result<(), String> {
+/// Waits for `mount` (at `mp`) to leave the mount table.
+fn wait_gone(mp: &Path, mount: &MountEntry) -> Result<(), String> {
     let deadline = Instant::now() + UNMOUNT_WAIT;
-    while is_mount_point(mp) {
+    while mounts::exists(mount) {
         if Instant::now() > deadline {
             return Err(format!(
                 "{} is still mounted after {:?}",

@@ -49,6 +49,10 @@ pub enum OrderError {
         words: u128,
     },
     #[error(
+        "epoch {epoch} is too large: its positions ({epoch_len} per epoch) do not fit in 64 bits; check the epoch"
+    )]
+    EpochTooLarge { epoch: u64, epoch_len: u64 },
+    #[error(
         "torch {version} is not supported by {sampler} (it behaved differently before {since}); give --torch-version {since} or newer"
     )]
     UnsupportedTorchVersion {

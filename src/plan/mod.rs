@@ -167,9 +167,22 @@ impl Plan {
         &self.ranks
     }
 
-    /// Refuses an epoch that would take minutes of replaying to plan (see
-    /// [`SamplerConfig::check_epoch_reachable`]).
+    /// Refuses an epoch whose positions do not fit in 64 bits, and one that would take
+    /// minutes of replaying to plan (see [`SamplerConfig::check_epoch_reachable`]).
     pub fn check_epoch_reachable(&self, epoch: u64) -> Result<(), OrderError> {
+        // The stager plans `epoch` and the next one: positions up to the end of epoch + 1 must
+        // not saturate in `join`, or `split` reads them back as another epoch and the tracker
+        // walks ~2^64 positions to catch up.
+        if epoch
+            .checked_add(2)
+            .and_then(|e| e.checked_mul(self.epoch_len))
+            .is_none()
+        {
+            return Err(OrderError::EpochTooLarge {
+                epoch,
+                epoch_len: self.epoch_len,
+            });
+        }
         self.sampler
             .check_epoch_reachable(self.layout.len() as u64, epoch)
     }
@@ -322,6 +335,20 @@ mod tests {
         p.epoch(1);
         assert_eq!(p.next_use(file, from), p.join(1, 0));
         assert_eq!(p.planned_file_at(p.join(1, 0)), Some(file));
+    }
+
+    /// Positions of the epoch and the next must fit in 64 bits (the spin of `--epoch
+    /// 18446744073709551614` came from positions that saturated).
+    #[test]
+    fn epochs_whose_positions_overflow_are_refused() {
+        let p = plan(10);
+        assert!(p.check_epoch_reachable(37).is_ok());
+        for epoch in [u64::MAX / 10 - 1, u64::MAX - 1, u64::MAX] {
+            assert!(
+                matches!(p.check_epoch_reachable(epoch), Err(OrderError::EpochTooLarge { .. })),
+                "{epoch}"
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,188 @@
+//! The mount table, read from /proc/self/mountinfo without touching the mounts themselves.
+//!
+//! A FUSE mount whose daemon is stopped or wedged blocks every call that reaches it (stat,
+//! getxattr, even a path lookup that ends on it), so the commands that must answer about such
+//! a mount find it here, identify it by mount ID and device (not by path, which a later mount
+//! can take over), bound each call that has to reach it, and can abort its connection through
+//! fusectl.
+
+use std::ffi::CString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// One line of /proc/self/mountinfo: what identifies a mount and where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEntry {
+    /// Unique while the mount exists; a new mount at the same path gets another.
+    pub id: u64,
+    /// The superblock's device; for FUSE its minor number names the fusectl connection.
+    pub major: u32,
+    pub minor: u32,
+    pub fstype: String,
+    pub path: PathBuf,
+}
+
+impl MountEntry {
+    fn parse(line: &str) -> Option<MountEntry> {
+        let mut fields = line.split(' ');
+        let id = fields.next()?.parse().ok()?;
+        let (major, minor) = fields.nth(1)?.split_once(':')?;
+        let path = PathBuf::from(unescape(fields.nth(1)?));
+        // Optional fields end at the "-" separator; the file system type follows it.
+        let fstype = fields.skip_while(|f| *f != "-").nth(1)?.to_string();
+        Some(MountEntry {
+            id,
+            major: major.parse().ok()?,
+            minor: minor.parse().ok()?,
+            fstype,
+            path,
+        })
+    }
+}
+
+/// Every mount of this namespace, in mount order (a mount stacked on another comes later).
+pub fn table() -> Vec<MountEntry> {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(MountEntry::parse)
+        .collect()
+}
+
+/// The mounts at `path` (resolved with [`resolve`]), the one on top last.
+pub fn at(path: &Path) -> Vec<MountEntry> {
+    let path = resolve(path);
+    table().into_iter().filter(|m| m.path == path).collect()
+}
+
+/// True if `path` is itself a mount point (bind mounts included).
+pub fn is_mount_point(path: &Path) -> bool {
+    !at(path).is_empty()
+}
+
+impl MountEntry {
+    /// Whether `other` is this same mount. IDs and anonymous device numbers are both reused
+    /// as soon as they are freed, so both are compared; a file system that is still alive
+    /// (a FUSE daemon whose session runs) keeps its device number to itself.
+    pub fn same(&self, other: &MountEntry) -> bool {
+        (self.id, self.major, self.minor) == (other.id, other.major, other.minor)
+    }
+}
+
+/// Whether `mount` is still in the table.
+pub fn exists(mount: &MountEntry) -> bool {
+    table().iter().any(|m| m.same(mount))
+}
+
+/// Absolute, symlink-resolved form of `path` that never looks at the last component itself:
+/// its parent is resolved and the name appended, so a wedged mount there is not entered.
+pub fn resolve(path: &Path) -> PathBuf {
+    let Ok(abs) = std::path::absolute(path) else {
+        return path.to_path_buf();
+    };
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => fs::canonicalize(parent)
+            .map(|p| p.join(name))
+            .unwrap_or(abs),
+        // "/" or a path ending in "..": nothing that can be a stuck FUSE root by itself.
+        _ => fs::canonicalize(&abs).unwrap_or(abs),
+    }
+}
+
+/// mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    let mut out = Vec::with_capacity(s.len());
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Runs `f` (a call that may block on a FUSE mount) on its own thread and waits at most
+/// `limit` for it. None means it did not return in time: the thread stays blocked in the
+/// kernel, so the caller should exit soon (a FUSE wait ends when the process is killed).
+pub fn bounded<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("bounded-call".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .ok()?;
+    rx.recv_timeout(limit).ok()
+}
+
+/// Where the kernel lists FUSE connections (the fusectl file system).
+const FUSECTL: &str = "/sys/fs/fuse/connections";
+
+/// Aborts the FUSE connection of `mount`: every request waiting on its daemon fails with
+/// ENOTCONN at once and the daemon's device is closed, so the mount can be removed. Mounts
+/// fusectl first if nobody has.
+pub fn abort_connection(mount: &MountEntry) -> Result<(), String> {
+    if !table().iter().any(|m| m.fstype == "fusectl") {
+        let (src, target, fstype) = (c"none", c"/sys/fs/fuse/connections", c"fusectl");
+        // SAFETY: valid C strings; no mount data.
+        let r = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(format!(
+                "cannot mount fusectl at {FUSECTL}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    let abort = format!("{FUSECTL}/{}/abort", mount.minor);
+    fs::write(&abort, b"1").map_err(|e| format!("cannot write {abort}: {e}"))
+}
+
+/// Calls umount2(2) on `path`.
+pub fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: valid C string.
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MountEntry;
+
+    #[test]
+    fn parses_mountinfo_lines() {
+        let m = MountEntry::parse(
+            "812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0",
+        )
+        .unwrap();
+        assert_eq!((m.id, m.major, m.minor), (812, 0, 97));
+        assert_eq!(m.path, std::path::Path::new("/tmp/a b"));
+        assert_eq!(m.fstype, "fuse.stagefs");
+        assert_eq!(MountEntry::parse("junk"), None);
+    }
+}

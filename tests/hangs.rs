@@ -1,0 +1,164 @@
+//! Nothing waits forever, and a mount is its own (issue #12): `stagefs unmount` and `stagefs
+//! stats` answer within seconds when the daemon is stopped; an exiting daemon never unmounts a
+//! mount made after its own at the same path; two mounts started together at one mountpoint
+//! give one mount; a printing command whose pipe closes ends quietly.
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Well under the 30 s `stagefs_within` allows: a hang shows as a slow answer, not a stall.
+const BOUND: Duration = Duration::from_secs(15);
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: sending a signal has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill {pid} {sig}");
+}
+
+/// Runs `stagefs ARGS` under a 30 s deadline; returns its output and how long it took.
+fn timed(args: &[&str]) -> (std::process::Output, Duration) {
+    let started = Instant::now();
+    let out = stagefs_within(30, args);
+    (out, started.elapsed())
+}
+
+#[test]
+fn a_stopped_daemon_does_not_hang_stats_or_unmount() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 6, 2, 10, 100);
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let pid = m.daemon_pid();
+    let mnt = m.mnt.to_str().unwrap().to_string();
+    signal(pid, libc::SIGSTOP);
+    for extra in [&[][..], &["--json"], &["--watch"]] {
+        let mut args = vec!["stats", mnt.as_str()];
+        args.extend_from_slice(extra);
+        let (out, took) = timed(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(took < BOUND, "stats {extra:?} took {took:?}");
+        assert_eq!(out.status.code(), Some(1), "stats {extra:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+        assert!(stderr.contains("did not answer"), "{stderr:?}");
+    }
+    let (out, took) = timed(&["unmount", &mnt]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(took < BOUND, "unmount took {took:?}");
+    assert!(out.status.success(), "unmount: {stderr}");
+    assert!(stderr.contains("aborted its FUSE connection"), "{stderr:?}");
+    assert!(!is_mounted(&m.mnt), "still mounted");
+    // Woken up, the daemon finds its connection gone and exits.
+    signal(pid, libc::SIGCONT);
+    assert!(
+        wait_for(Duration::from_secs(20), || !process_alive(pid)),
+        "the daemon did not exit after SIGCONT"
+    );
+    std::mem::forget(m); // unmounted above
+}
+
+#[test]
+fn an_exiting_daemon_leaves_the_next_mount_at_its_path_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 6, 2, 10, 100);
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let pid = m.daemon_pid();
+    // Stopped, so the tmpfs is surely in place before the daemon sees its session end.
+    signal(pid, libc::SIGSTOP);
+    // umount2(2) itself, as `umount MNT` ends up doing; umount(8) would stat the stopped mount.
+    let c = std::ffi::CString::new(m.mnt.to_str().unwrap()).unwrap();
+    // SAFETY: valid C string.
+    assert_eq!(unsafe { libc::umount2(c.as_ptr(), 0) }, 0, "umount2");
+    let tmpfs = Command::new("mount")
+        .args(["-t", "tmpfs", "none"])
+        .arg(&m.mnt)
+        .status()
+        .unwrap();
+    assert!(tmpfs.success());
+    signal(pid, libc::SIGCONT);
+    let exited = wait_for(Duration::from_secs(20), || !process_alive(pid));
+    let survived = is_mounted(&m.mnt);
+    let _ = Command::new("umount").arg(&m.mnt).status();
+    assert!(exited, "the old daemon did not exit");
+    assert!(survived, "the old daemon unmounted the tmpfs mounted after it");
+    std::mem::forget(m);
+}
+
+#[test]
+fn two_mounts_started_together_at_one_mountpoint_give_one() {
+    require_fuse();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 6, 2, 10, 100);
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let start = |cache: &str| {
+        Command::new(bin())
+            .arg("mount")
+            .args([&src, &mnt])
+            .arg("--cache")
+            .arg(tmp.path().join(cache))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (start("c1"), start("c2"));
+    let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    let mounts = mount_count(&mnt);
+    while is_mounted(&mnt) {
+        let _ = stagefs(&["unmount", mnt.to_str().unwrap()]);
+    }
+    let ok = outs.iter().filter(|o| o.status.success()).count();
+    assert_eq!(ok, 1, "{outs:?}");
+    assert_eq!(mounts, 1);
+    let failed = outs.iter().find(|o| !o.status.success()).unwrap();
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(stderr.contains("is already a mount point"), "{stderr:?}");
+}
+
+/// The daemon leaves the directory it was started from, so that file system can be unmounted.
+#[test]
+fn the_daemon_does_not_pin_its_starting_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 4, 2, 10, 100);
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let cwd = std::fs::read_link(format!("/proc/{}/cwd", m.daemon_pid())).unwrap();
+    assert_eq!(cwd, Path::new("/"));
+    m.unmount();
+}
+
+/// `stagefs stats --watch | head -1`: the command ends when `head` does, without a panic.
+#[test]
+fn a_closed_pipe_ends_stats_watch_quietly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 4, 2, 10, 100);
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let mut child = Command::new(bin())
+        .args(["stats", "--watch", "--interval", "0.1"])
+        .arg(&m.mnt)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one line, then close the pipe as `head -1` does.
+    let mut first = [0u8; 1];
+    use std::io::Read;
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    let ended = wait_for(Duration::from_secs(10), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if !ended {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(ended, "stats --watch kept running after its pipe closed");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    m.unmount();
+}
