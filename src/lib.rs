@@ -17,3 +17,4 @@ pub mod order;
 pub mod plan;
 pub mod stager;
 pub mod stats;
+pub mod sys;

@@ -102,6 +102,33 @@ fn changes_while_mounted_are_refused_at_once_never_served() {
 }
 
 #[test]
+fn attributes_are_read_from_the_catalogued_file_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = dataset(tmp.path());
+    let set = |path: &Path, value: &str| {
+        let out = Command::new("setfattr")
+            .args(["-n", "user.note", "-v", value])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    };
+    set(&src.join("c1/f1.jpg"), "dataset");
+    let m = TestMount::new(&src, tmp.path(), &["--sampler", "none"]);
+    assert_eq!(
+        lgetxattr(&m.mnt.join("c1/f1.jpg"), "user.note").as_deref(),
+        Some(&b"dataset"[..])
+    );
+    // The directory swapped for a link to a look-alike whose file carries another value.
+    let elsewhere = tmp.path().join("elsewhere");
+    fs::rename(src.join("c1"), &elsewhere).unwrap();
+    symlink(&elsewhere, src.join("c1")).unwrap();
+    set(&elsewhere.join("f3.jpg"), "private");
+    assert_eq!(lgetxattr(&m.mnt.join("c1/f3.jpg"), "user.note"), None);
+    m.unmount();
+}
+
+#[test]
 fn a_fifo_or_a_link_back_into_the_mount_never_holds_a_thread() {
     let tmp = tempfile::tempdir().unwrap();
     let src = dataset(tmp.path());

@@ -30,10 +30,8 @@
 //! getattr and readdir answer from the catalog without waiting, and a read needs a handle
 //! that only an open grants.
 
-use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,6 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use crate::catalog::FileId;
+use crate::sys;
 
 /// Credentials whose decisions are kept: a node's mount is shared by a few users at most.
 const MAX_CREDENTIALS: usize = 16;
@@ -263,7 +262,7 @@ pub struct Gate {
 impl Gate {
     /// `ids`: the catalog's size. Never fails: without SOURCE's root fd every check denies.
     pub fn new(root: &Path, ids: usize) -> Gate {
-        let root = open_root(root)
+        let root = sys::open_directory(root)
             .inspect_err(|e| {
                 log::error!(
                     "cannot open SOURCE {} for permission checks ({e}); other users will be refused",
@@ -391,65 +390,16 @@ fn own_thread(tid: u32) -> bool {
     Path::new(&format!("/proc/self/task/{tid}")).exists()
 }
 
-fn cstring(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
-}
-
-fn open_root(root: &Path) -> io::Result<OwnedFd> {
-    let c = cstring(root)?;
-    // SAFETY: a valid C string; the flags ask for nothing but a path fd.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just opened and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `struct open_how` (libc's is non-exhaustive, so it cannot be built outside libc).
-#[repr(C)]
-struct OpenHow {
-    flags: u64,
-    mode: u64,
-    resolve: u64,
-}
-
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
 /// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
 /// stagefs mount; it checks search permission on every directory it passes.
 fn check_on_source(root: &OwnedFd, relative: &Path, mask: i32) -> io::Result<()> {
-    let path = if relative.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        relative
-    };
-    let c = cstring(path)?;
-    let how = OpenHow {
-        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
-    };
-    // SAFETY: valid fd, C string and open_how, with its size.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just opened and nothing else owns it.
-    let file = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let file = sys::openat2(
+        root.as_fd(),
+        relative,
+        libc::O_PATH,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+    )?;
     // SAFETY: valid fd and an empty C string, as AT_EMPTY_PATH requires.
     let r = unsafe {
         libc::syscall(
@@ -711,7 +661,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let root = open_root(dir.path()).unwrap();
+        let root = sys::open_directory(dir.path()).unwrap();
         let (before_uid, before_groups) = (fsuid_now(), groups_now().unwrap());
         let nobody = cred(65534, &[]);
         let in_group_0 = Credential {

@@ -552,11 +552,11 @@ impl Filesystem for StageFs {
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        xattr::get(self, Self::id(ino), name, size, req.pid(), reply);
+        xattr::get(self, req, Self::id(ino), name, size, reply);
     }
 
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        xattr::list(self, Self::id(ino), size, reply);
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        xattr::list(self, req, Self::id(ino), size, reply);
     }
 
     fn setxattr(

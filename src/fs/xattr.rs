@@ -24,7 +24,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use fuser::{Errno, ReplyEmpty, ReplyXattr};
+use std::os::fd::AsRawFd;
+
+use fuser::{Errno, ReplyEmpty, ReplyXattr, Request};
 use parking_lot::Mutex;
 
 use super::StageFs;
@@ -166,18 +168,19 @@ fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
     })
 }
 
-/// `thread` is the caller's thread id as FUSE reports it (pairs probes with reads).
 pub(super) fn get(
     fs: &StageFs,
+    req: &Request,
     id: FileId,
     name: &OsStr,
     size: u32,
-    thread: u32,
     reply: ReplyXattr,
 ) {
     if fs.data.catalog.entry(id).is_none() {
         return reply.error(Errno::ENOENT);
     }
+    // The caller's thread id as FUSE reports it: pairs size probes with reads.
+    let thread = req.pid();
     if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
         let Some(value) = ours(fs, id, key) else {
             return reply.error(Errno::NO_XATTR);
@@ -191,20 +194,60 @@ pub(super) fn get(
         }
         return reply_bytes(reply, size, &value);
     }
-    let path = fs.data.catalog.source_path(id);
-    match source_xattr(&path, name) {
+    if let Err(errno) = fs.permitted(req, id, libc::R_OK) {
+        return reply.error(errno);
+    }
+    match source_node(fs, id).and_then(|node| source_xattr(&node, name)) {
         Ok(v) => reply_bytes(reply, size, &v),
         Err(errno) => reply.error(Errno::from_i32(errno)),
     }
 }
 
+/// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
+/// through no link and no mount (a directory swapped for a link must not make the mount read
+/// the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr calls take.
+fn source_node(fs: &StageFs, id: FileId) -> Result<SourceNode, i32> {
+    let catalog = &fs.data.catalog;
+    // User attributes live on files and directories only (the kernel refuses them on links).
+    if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
+        return Err(libc::ENODATA);
+    }
+    let root = fs.gate.source_root().ok_or(libc::EIO)?;
+    let fd = crate::sys::openat2(
+        root,
+        &catalog.relative_path(id),
+        libc::O_PATH | libc::O_NOFOLLOW,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+    )
+    .map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => libc::ENOENT,
+        _ => libc::ESTALE,
+    })?;
+    let path = c_path(std::path::Path::new(&format!("/proc/self/fd/{}", fd.as_raw_fd())))?;
+    Ok(SourceNode { _fd: fd, path })
+}
+
+/// An open SOURCE node and the path that names it for as long as it is held.
+struct SourceNode {
+    _fd: std::os::fd::OwnedFd,
+    path: CString,
+}
+
 /// The source's own names only, minus any `user.stagefs.*` it carries (ours shadow those, so
 /// listing them would promise values the mount does not give).
-pub(super) fn list(fs: &StageFs, id: FileId, size: u32, reply: ReplyXattr) {
+pub(super) fn list(fs: &StageFs, req: &Request, id: FileId, size: u32, reply: ReplyXattr) {
     if fs.data.catalog.entry(id).is_none() {
         return reply.error(Errno::ENOENT);
     }
-    match source_list(&fs.data.catalog.source_path(id)) {
+    if let Err(errno) = fs.permitted(req, id, libc::R_OK) {
+        return reply.error(errno);
+    }
+    let listed = match source_node(fs, id) {
+        Ok(node) => source_list(&node),
+        Err(libc::ENODATA) => Ok(Vec::new()),
+        Err(errno) => Err(errno),
+    };
+    match listed {
         Ok(names) => reply_bytes(reply, size, &without_ours(&names)),
         Err(errno) => reply.error(Errno::from_i32(errno)),
     }
@@ -258,14 +301,20 @@ fn c_path(path: &std::path::Path) -> Result<CString, i32> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| libc::EINVAL)
 }
 
-/// Reads one attribute of the source entry itself (not following a final symlink).
-fn source_xattr(path: &std::path::Path, name: &OsStr) -> Result<Vec<u8>, i32> {
-    let p = c_path(path)?;
+/// Reads one attribute of a SOURCE node.
+fn source_xattr(node: &SourceNode, name: &OsStr) -> Result<Vec<u8>, i32> {
     let n = CString::new(name.as_bytes()).map_err(|_| libc::EINVAL)?;
     let mut buf = vec![0u8; MAX_SOURCE_VALUE];
-    // SAFETY: valid C strings and a buffer of the stated length.
-    let len =
-        unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    // SAFETY: valid C strings and a buffer of the stated length. The path is a magic link to
+    // the node itself, which getxattr follows to it and no further.
+    let len = unsafe {
+        libc::getxattr(
+            node.path.as_ptr(),
+            n.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
     if len < 0 {
         return Err(std::io::Error::last_os_error()
             .raw_os_error()
@@ -275,11 +324,10 @@ fn source_xattr(path: &std::path::Path, name: &OsStr) -> Result<Vec<u8>, i32> {
     Ok(buf)
 }
 
-fn source_list(path: &std::path::Path) -> Result<Vec<u8>, i32> {
-    let p = c_path(path)?;
+fn source_list(node: &SourceNode) -> Result<Vec<u8>, i32> {
     let mut buf = vec![0u8; MAX_SOURCE_VALUE];
-    // SAFETY: valid C string and a buffer of the stated length.
-    let len = unsafe { libc::llistxattr(p.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    // SAFETY: valid C string and a buffer of the stated length (see source_xattr).
+    let len = unsafe { libc::listxattr(node.path.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     if len < 0 {
         let errno = std::io::Error::last_os_error()
             .raw_os_error()

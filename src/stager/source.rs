@@ -13,30 +13,16 @@
 //! [`Source`] is also the seam through which engine tests inject the faults a real parallel
 //! file system produces (errors, slowness) without a mount or a broken server.
 
-use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
 use crate::catalog::{Catalog, FileId, Kind};
-
-/// `RESOLVE_*` flags of openat2(2) (linux/openat2.h), which the libc crate does not export.
-const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
-const RESOLVE_NO_SYMLINKS: u64 = 0x04;
-const RESOLVE_BENEATH: u64 = 0x08;
-
-/// `struct open_how` of openat2(2).
-#[repr(C)]
-struct OpenHow {
-    flags: u64,
-    mode: u64,
-    resolve: u64,
-}
+use crate::sys;
 
 /// Opens files of SOURCE by their path relative to its root.
 pub trait Source: Send + Sync {
@@ -56,26 +42,9 @@ impl LocalSource {
     pub fn new(root: &Path) -> io::Result<LocalSource> {
         Ok(LocalSource {
             path: root.to_path_buf(),
-            root: RwLock::new(Arc::new(open_root(root)?)),
+            root: RwLock::new(Arc::new(sys::open_directory(root)?)),
         })
     }
-}
-
-/// A descriptor of SOURCE's root directory, not through a link.
-fn open_root(root: &Path) -> io::Result<OwnedFd> {
-    let c = c_path(root)?;
-    // SAFETY: a valid NUL-terminated path; the returned descriptor is checked below.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a descriptor we just opened and own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 impl Source for LocalSource {
@@ -86,7 +55,7 @@ impl Source for LocalSource {
             // client, an NFS failover): the old root descriptor will never work again, the
             // path may. What is found there is checked like any file.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ESTALE)) => {
-                let fresh = Arc::new(open_root(&self.path).map_err(|_| e)?);
+                let fresh = Arc::new(sys::open_directory(&self.path).map_err(|_| e)?);
                 *self.root.write() = fresh.clone();
                 open_beneath(&fresh, relative)
             }
@@ -95,40 +64,21 @@ impl Source for LocalSource {
     }
 }
 
-fn c_path(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
-}
-
 /// openat2 with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`: the kernel itself refuses any
 /// symlink, `..` above the root, or magic link on the way (ELOOP / EXDEV).
 fn open_beneath(root: &OwnedFd, relative: &Path) -> io::Result<File> {
-    let c = c_path(relative)?;
-    let how = OpenHow {
-        flags: (libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: valid directory fd, NUL-terminated path, and an open_how of the size passed.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        let err = io::Error::last_os_error();
-        return match err.raw_os_error() {
-            // Kernels before 5.6: walk the path one directory at a time instead.
-            Some(libc::ENOSYS) => open_walking(root, relative),
-            _ => Err(err),
-        };
+    let opened = sys::openat2(
+        root.as_fd(),
+        relative,
+        libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    );
+    match opened {
+        Ok(fd) => Ok(File::from(fd)),
+        // Kernels before 5.6: walk the path one directory at a time instead.
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => open_walking(root, relative),
+        Err(e) => Err(e),
     }
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    Ok(unsafe { File::from_raw_fd(fd as i32) })
 }
 
 /// What [`open_beneath`] does, for kernels without openat2: each component opened with
@@ -155,7 +105,7 @@ fn open_walking(root: &OwnedFd, relative: &Path) -> io::Result<File> {
             } else {
                 libc::O_PATH | libc::O_DIRECTORY
             };
-        let c = c_path(Path::new(name))?;
+        let c = sys::c_path(Path::new(name))?;
         // SAFETY: valid directory fd and NUL-terminated name.
         let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags) };
         if fd < 0 {
@@ -284,7 +234,7 @@ mod tests {
 
         // Swapped for a FIFO: refused at once, not waited on.
         std::fs::remove_file(root.join("d/c")).unwrap();
-        let fifo = CString::new(root.join("d/c").as_os_str().as_bytes()).unwrap();
+        let fifo = sys::c_path(&root.join("d/c")).unwrap();
         // SAFETY: valid path.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
         assert_eq!(errno_of(&root, &catalog, "d/c"), Err(libc::ESTALE));
@@ -320,7 +270,7 @@ mod tests {
         std::fs::write(tmp.path().join("real/x"), b"x").unwrap();
         symlink("real", tmp.path().join("link")).unwrap();
         symlink("x", tmp.path().join("real/y")).unwrap();
-        let root = open_root(tmp.path()).unwrap();
+        let root = sys::open_directory(tmp.path()).unwrap();
         assert!(open_walking(&root, Path::new("real/x")).is_ok());
         for rel in ["link/x", "real/y", "../x"] {
             let err = open_walking(&root, Path::new(rel)).unwrap_err();

@@ -1,0 +1,77 @@
+//! The few raw Linux calls stagefs makes that std does not wrap, in one place, each behind a
+//! safe function: opening directories and files *beneath* a directory descriptor without
+//! following links (openat2), which both the stager's copies and the permission checks rely on.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// `struct open_how` of openat2(2) (libc's is non-exhaustive, so it cannot be built here).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// `path` as a C string; a path with a NUL byte cannot name a file (EINVAL).
+pub fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+/// An `O_PATH` descriptor of the directory `path`, refusing a symlink in its last component.
+pub fn open_directory(path: &Path) -> io::Result<OwnedFd> {
+    let c = c_path(path)?;
+    // SAFETY: a valid NUL-terminated path; the result is checked below.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// openat2(2): opens `relative` from `dir` with open `flags` (O_CLOEXEC added) and `resolve`
+/// (`libc::RESOLVE_*`) restrictions, which the kernel enforces on every component. An empty
+/// path means `dir` itself. ENOSYS on kernels before 5.6.
+pub fn openat2(
+    dir: BorrowedFd<'_>,
+    relative: &Path,
+    flags: i32,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
+    let path = if relative.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        relative
+    };
+    let c = c_path(path)?;
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve,
+    };
+    // SAFETY: a valid directory fd, a NUL-terminated path and an open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
