@@ -24,11 +24,11 @@
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
-//! Re-entrancy: a request whose pid is one of the daemon's own threads (a stager thread that
-//! opened a SOURCE path leading back into the mount) is answered at once with EDEADLK.
-//! Waiting on it could take every FUSE thread. Only open and opendir need it: lookup,
-//! getattr and readdir answer from the catalog without waiting, and a read needs a handle
-//! that only an open grants.
+//! Re-entrancy: an open of a file not cached whose pid is one of the daemon's own threads (a
+//! thread that opened a SOURCE path leading back into the mount) is answered at once with
+//! EDEADLK ([`refuse_own_thread`]). Waiting on it could take every FUSE thread. Nothing else
+//! waits: a cache hit is answered at once, lookup, getattr, readdir and xattrs answer from
+//! the catalog or SOURCE, and a read needs a handle that only an open grants.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -280,13 +280,19 @@ impl Gate {
         }
     }
 
+    /// The daemon's effective uid: requests as it need no check on SOURCE.
+    pub fn euid(&self) -> u32 {
+        self.euid
+    }
+
     /// SOURCE's root, opened before the mount existed.
     pub fn source_root(&self) -> Option<BorrowedFd<'_>> {
         self.root.as_ref().map(|fd| fd.as_fd())
     }
 
-    /// Whether `caller` may have `id` with `mask` (`R_OK`, `X_OK`, `F_OK`): refused if the
-    /// request comes from the daemon itself, checked on SOURCE for any user but the daemon's.
+    /// Whether `caller` may have `id` with `mask` (`R_OK`, `X_OK`, `F_OK`): checked on SOURCE
+    /// for any user but the daemon's (whose own threads are refused by [`refuse_own_thread`]
+    /// where a request could wait).
     /// `path` gives `id`'s path relative to SOURCE, computed only when SOURCE is asked.
     pub fn check(
         &self,
@@ -296,12 +302,7 @@ impl Gate {
         path: impl FnOnce() -> PathBuf,
     ) -> Result<(), Refusal> {
         if caller.uid == self.euid {
-            // The daemon's own threads run as its euid (the checks below never reach the
-            // mount), so only such a request can be one of theirs.
-            return match caller.pid != 0 && own_thread(caller.pid) {
-                true => Err(Refusal::Reentrant(caller.pid)),
-                false => Ok(()),
-            };
+            return Ok(());
         }
         let cred = self.credential(caller)?;
         let cacheable = mask == libc::R_OK;
@@ -382,6 +383,17 @@ fn read_status(pid: u32) -> io::Result<Vec<u8>> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Refuses a request from one of the daemon's own threads, for requests that could wait (an
+/// open of a file not cached waits for its copy, or for SOURCE): waiting on itself could take
+/// every FUSE thread. The daemon's threads run as its euid, so only such requests are asked
+/// (a stat in /proc, kept off the path of cache hits and of other users' requests).
+pub fn refuse_own_thread(caller: Caller, euid: u32) -> Result<(), Refusal> {
+    match caller.uid == euid && caller.pid != 0 && own_thread(caller.pid) {
+        true => Err(Refusal::Reentrant(caller.pid)),
+        false => Ok(()),
     }
 }
 

@@ -173,13 +173,17 @@ impl StageFs {
             .map(|(i, (id, name))| (id, i as u64 + 1, name)))
     }
 
-    /// Refuses the daemon's own requests, and what SOURCE would refuse `req`'s user.
-    fn permitted(&self, req: &Request, id: FileId, mask: i32) -> Result<(), Errno> {
-        let caller = Caller {
+    fn caller(&self, req: &Request) -> Caller {
+        Caller {
             uid: req.uid(),
             gid: req.gid(),
             pid: req.pid(),
-        };
+        }
+    }
+
+    /// Refuses what SOURCE would refuse `req`'s user.
+    fn permitted(&self, req: &Request, id: FileId, mask: i32) -> Result<(), Errno> {
+        let caller = self.caller(req);
         let catalog = &self.data.catalog;
         self.gate
             .check(caller, id, mask, || catalog.relative_path(id))
@@ -282,6 +286,12 @@ impl Filesystem for StageFs {
         }
         if let Err(err) = self.permitted(req, id, libc::R_OK) {
             return reply.error(err);
+        }
+        if self.data.stager.file_state(id) != "cached"
+            && let Err(refusal) = access::refuse_own_thread(self.caller(req), self.gate.euid())
+        {
+            log::warn!("refused {}: {refusal}", self.data.catalog.relative_path(id).display());
+            return reply.error(Errno::from_i32(refusal.errno()));
         }
         let handles = self.handles.clone();
         let opens = self.opens.clone();
