@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::catalog::LayoutKind;
+use crate::catalog::{Layout, LayoutKind};
 use crate::order::{SamplerConfig, SamplerKind};
 
 /// Content of sample file `i`: distinct per file and per offset, so any mix-up shows.

@@ -1,0 +1,140 @@
+//! The cache's room: bytes used by complete copies and reserved by copies under way, the
+//! capacity they must fit in (lowered when the cache file system turns out smaller, grown
+//! back as it frees up), and the eviction index that says which copy goes first.
+//!
+//! [`Space`] is pure bookkeeping, tested without threads; the `Inner` methods below apply it
+//! to the stager's state (file states, counters, unlinks deferred until the lock is released).
+
+use super::eviction::EvictionIndex;
+use super::{Deferred, FileState, Inner, State};
+use crate::catalog::FileId;
+use crate::stats::Counters;
+
+/// Kept free on the cache file system when the capacity grows back after it was full, so the
+/// next copy does not run straight into ENOSPC again.
+const FULL_HEADROOM: u64 = 1 << 20;
+
+pub struct Space {
+    /// Bytes of complete copies.
+    pub used: u64,
+    /// Bytes of copies under way.
+    pub reserved: u64,
+    /// What used and reserved must fit in now.
+    pub capacity: u64,
+    /// What the user configured: the capacity never grows back past it.
+    configured: u64,
+    /// Cached files by when they are next needed (or last used, when not predicting).
+    pub evict: EvictionIndex,
+}
+
+impl Space {
+    pub fn new(capacity: u64) -> Space {
+        Space {
+            used: 0,
+            reserved: 0,
+            capacity,
+            configured: capacity,
+            evict: EvictionIndex::default(),
+        }
+    }
+
+    /// Whether `bytes` more fit besides what is cached and being copied.
+    pub fn fits(&self, bytes: u64) -> bool {
+        self.used + self.reserved + bytes <= self.capacity
+    }
+
+    /// The cache file system was full: what it holds now is the limit. True if that lowered
+    /// the capacity.
+    pub fn full(&mut self) -> bool {
+        let limit = self.used + self.reserved;
+        let lowered = limit < self.capacity;
+        self.capacity = self.capacity.min(limit);
+        lowered
+    }
+
+    /// Whether the capacity is below what was configured (the file system was full).
+    pub fn is_lowered(&self) -> bool {
+        self.capacity < self.configured
+    }
+
+    /// Gives back capacity as the cache file system frees up (evicted files still open
+    /// elsewhere keep their blocks until closed), up to what was configured. `free` is its
+    /// free space. True if the capacity grew.
+    pub fn regrow(&mut self, free: u64) -> bool {
+        // Copies in flight are not counted: what they wrote so far is already missing from
+        // `free`, and counting their full size as well could grow the capacity past the file
+        // system's size (seen with 16 copies into an 8 MiB tmpfs).
+        let room = (self.used + free.saturating_sub(FULL_HEADROOM)).min(self.configured);
+        let grew = room > self.capacity;
+        self.capacity = self.capacity.max(room);
+        grew
+    }
+}
+
+impl Inner {
+    /// Forgets `file`'s copy (evicted, or gone from the cache directory).
+    pub(super) fn forget_cached(&self, st: &mut State, file: FileId) {
+        if st.space.evict.contains(file) {
+            st.space.evict.remove(file);
+            st.space.used = st.space.used.saturating_sub(self.size_of(file));
+        }
+        st.files.set(file, FileState::Remote);
+        st.unread.remove(&file);
+        st.unverified.remove(file);
+    }
+
+    /// Drops `file` from the cache's books now; its copy is unlinked once the lock is released.
+    pub(super) fn evict(&self, st: &mut State, file: FileId, deferred: &mut Deferred) {
+        // Staged ahead and evicted before anyone read it: staging wasted.
+        if st.unread.contains(&file) {
+            Counters::add(&self.counters.wasted_bytes, self.size_of(file));
+        }
+        st.unlinking.insert(file);
+        deferred.unlinks.push(file);
+        self.forget_cached(st, file);
+        Counters::add(&self.counters.evictions, 1);
+    }
+
+    /// Evicts files needed after `needed_at` until `bytes` more fit. False if that would mean
+    /// evicting something needed sooner (Belady: then the new file is the one not to keep).
+    pub(super) fn make_room(
+        &self,
+        st: &mut State,
+        bytes: u64,
+        needed_at: u64,
+        deferred: &mut Deferred,
+    ) -> bool {
+        while !st.space.fits(bytes) {
+            match st.space.evict.furthest() {
+                Some((key, victim)) if key > needed_at => self.evict(st, victim, deferred),
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_lowers_the_capacity_and_free_space_gives_it_back_up_to_the_configured() {
+        let mut s = Space::new(100 << 20);
+        s.used = 30 << 20;
+        s.reserved = 2 << 20;
+        assert!(s.fits(68 << 20));
+        assert!(!s.fits((68 << 20) + 1));
+        assert!(s.full());
+        assert_eq!(s.capacity, 32 << 20);
+        assert!(s.is_lowered());
+        assert!(!s.full(), "already at the limit");
+        // 10 MiB free: back up to used + free - headroom (reserved bytes are in `free` already).
+        assert!(s.regrow(10 << 20));
+        assert_eq!(s.capacity, (40 << 20) - FULL_HEADROOM);
+        assert!(!s.regrow(1 << 20), "never shrinks on less free space");
+        assert!(s.regrow(1 << 40));
+        assert_eq!(s.capacity, 100 << 20, "never past what was configured");
+        assert!(!s.is_lowered());
+    }
+}
