@@ -503,7 +503,7 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
 
     // The client comes back: the dead mount is detached and a new one made at the same place.
     pfs.take().unwrap().detach_dead();
-    let _pfs = source_client();
+    let pfs = source_client();
     let before = m.stat("staged_files");
     // No reader: the frontier finds the source back by itself and stages ahead again.
     let resumed = wait_until(
@@ -520,6 +520,9 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
     eprintln!(
         "source gone: EIO after at most {worst:.2?} (retries 2), {errors} errors counted; staging resumed {resumed:.1?} after the source came back ({before} → {after} staged files)"
     );
+    // The mount over the client first: it holds SOURCE's root open.
+    m.unmount();
+    pfs.unmount();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -372,7 +372,7 @@ impl Inner {
             st.unlinking.remove(&file);
         }
         // A reader may be waiting for one of them to be staged again.
-        if !st.urgent.is_empty() || self.copy_due(&mut st) {
+        if !st.urgent.is_empty() {
             self.work.notify_one();
         }
     }
