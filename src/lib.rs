@@ -3,7 +3,8 @@
 //!
 //! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
 //! (samplers) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
-//! → [`cache`] (the local directory) → [`fs`] (FUSE operations). [`stats`] counts, [`cli`] wires.
+//! → [`cache`] (the local directory) → [`fs`] (FUSE operations). [`stats`] counts, [`cli`] wires,
+//! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].

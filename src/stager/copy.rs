@@ -132,7 +132,7 @@ impl Inner {
                 Counters::add(&self.counters.cache_full_events, 1);
                 // Free a little so the next copy has a chance, then serve readers from SOURCE.
                 if let Some((_, victim)) = st.space.evict.furthest() {
-                    self.evict(st, victim, &mut deferred);
+                    self.evict(st, victim);
                     st.space.capacity = st.space.capacity.saturating_sub(self.size_of(victim));
                 }
                 Then::Source

@@ -12,20 +12,14 @@ use crate::stats::Counters;
 impl Inner {
     /// The next copy to make: urgent files first, then the frontier.
     pub(super) fn next_job(&self, st: &mut State, deferred: &mut Deferred) -> Option<Job> {
-        let mut held_back = Vec::new();
         let mut urgent_job = None;
         while let Some(file) = st.urgent.pop_front() {
             if st.files.get(file) != FileState::Queued {
                 continue;
             }
-            if st.unlinking.contains(&file) {
-                // Its old copy is still being unlinked: once that is done (see finish).
-                held_back.push(file);
-                continue;
-            }
             let size = self.size_of(file);
             // A reader waits for it now: anything else may go.
-            if size > st.space.capacity || !self.make_room(st, size, 0, deferred) {
+            if size > st.space.capacity || !self.make_room(st, size, 0) {
                 // No room at all: serve the waiting readers from SOURCE instead.
                 st.files.set(file, FileState::Remote);
                 for w in st.waiters.take(file) {
@@ -45,15 +39,12 @@ impl Inner {
             });
             break;
         }
-        for file in held_back.into_iter().rev() {
-            st.urgent.push_front(file);
-        }
         if urgent_job.is_some() {
             return urgent_job;
         }
         let (pos, file) = self.frontier_to_copy(st)?;
         let size = self.size_of(file);
-        if !self.make_room(st, size, pos, deferred) {
+        if !self.make_room(st, size, pos) {
             return None;
         }
         st.frontier += 1;
@@ -87,10 +78,6 @@ impl Inner {
             if file == Layout::NO_FILE {
                 st.frontier += 1;
                 continue;
-            }
-            if st.unlinking.contains(&file) {
-                // Staged again once its old copy is unlinked (see finish).
-                return None;
             }
             let size = self.size_of(file);
             let state = st.files.get(file);

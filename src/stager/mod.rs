@@ -122,9 +122,6 @@ struct State {
     backoff: Backoff,
     /// Files whose source changed: never staged again by the frontier.
     changed: HashSet<FileId>,
-    /// Evicted files whose cache copy is being unlinked (after the lock was released): not
-    /// staged again until that is done, or the unlink would remove the new copy.
-    unlinking: HashSet<FileId>,
     /// Cached by a previous mount; checked against their checksum before first served.
     unverified: Unverified,
     access_seq: u64,
@@ -164,17 +161,15 @@ enum Answer {
     FromSource(FileId),
 }
 
-/// Work decided under the state lock and done once it is released: replies to send, cache
-/// copies of evicted files to unlink.
+/// Replies decided under the state lock and sent once it is released.
 #[derive(Default)]
 struct Deferred {
     replies: Vec<(OpenCallback, Answer)>,
-    unlinks: Vec<FileId>,
 }
 
 impl Deferred {
     fn is_empty(&self) -> bool {
-        self.replies.is_empty() && self.unlinks.is_empty()
+        self.replies.is_empty()
     }
 }
 
@@ -199,7 +194,6 @@ impl Stager {
             ahead_bytes: 0,
             backoff: Backoff::default(),
             changed: HashSet::new(),
-            unlinking: HashSet::new(),
             unverified: Unverified::default(),
             access_seq: 0,
             opens_since_resync: 0,
@@ -240,9 +234,7 @@ impl Stager {
         {
             // Reused files beyond capacity (a smaller --cache-size than last time) go now,
             // furthest next use first.
-            let mut deferred = Deferred::default();
-            inner.make_room(&mut inner.state.lock(), 0, 0, &mut deferred);
-            inner.finish(deferred);
+            inner.make_room(&mut inner.state.lock(), 0, 0);
         }
         let spawn = |name: String, body: fn(Arc<Inner>)| {
             let inner = inner.clone();
@@ -346,7 +338,7 @@ impl Inner {
         self.catalog.entry(file).map_or(0, |e| e.size)
     }
 
-    /// Does what was deferred while the state lock was held; call it without the lock.
+    /// Sends the replies decided while the state lock was held; call it without the lock.
     fn finish(&self, deferred: Deferred) {
         for (reply, answer) in deferred.replies {
             reply(match answer {
@@ -360,20 +352,6 @@ impl Inner {
                     .or_else(|_| self.open_source(file)),
                 Answer::FromSource(file) => self.open_source(file),
             });
-        }
-        if deferred.unlinks.is_empty() {
-            return;
-        }
-        for &file in &deferred.unlinks {
-            self.cache.remove(&self.catalog, file);
-        }
-        let mut st = self.state.lock();
-        for file in deferred.unlinks {
-            st.unlinking.remove(&file);
-        }
-        // A reader may be waiting for one of them to be staged again.
-        if !st.urgent.is_empty() {
-            self.work.notify_one();
         }
     }
 
@@ -397,6 +375,12 @@ impl Inner {
 
     fn open(self: &Arc<Self>, file: FileId, reply: OpenCallback) {
         let started = Instant::now();
+        // A hit's cache file is opened before the lock is taken (no I/O under it) and before
+        // the tracker moves this file to the back of the eviction order: opened after, it was
+        // often evicted in between, by the next copy making room (a 30% cache lost a quarter
+        // of its hits that way). Copies are immutable and named by their source version, so
+        // whatever this opens is the file's bytes if the state then says cached.
+        let mut pre_opened = self.open_cached(file).ok();
         let mut st = self.state.lock();
         self.track_open(&mut st, file);
         if st.unverified.contains(file) {
@@ -428,16 +412,14 @@ impl Inner {
                 Err(_) => {}
             }
         }
-        // A hit: the cache file is opened with the lock released. If it is evicted meanwhile
-        // the open fails and the state says so; if the state still says cached, try once more
-        // (it may have been evicted and staged again), then conclude it vanished.
+        // A hit. Cached with nothing opened: staged just after the open was tried, or removed
+        // behind our back; one more try tells, without the lock.
         for attempt in 0..2 {
             if st.files.get(file) != FileState::Cached {
                 break;
             }
-            drop(st);
-            let opened = self.open_cached(file);
-            if let Ok(f) = opened {
+            if let Some(f) = pre_opened.take() {
+                drop(st);
                 Counters::add(&self.counters.hits, 1);
                 reply(Ok(Opened {
                     file: f,
@@ -445,15 +427,17 @@ impl Inner {
                 }));
                 return;
             }
-            st = self.state.lock();
-            if attempt == 1 && st.files.get(file) == FileState::Cached {
-                // Someone removed it behind our back: forget it and stage again.
+            if attempt == 1 {
                 log::warn!(
                     "cached copy of {} vanished; staging it again",
                     self.catalog.relative_path(file).display()
                 );
                 self.forget_cached(&mut st, file);
+                break;
             }
+            drop(st);
+            pre_opened = self.open_cached(file).ok();
+            st = self.state.lock();
         }
         let state = st.files.get(file);
         Counters::add(&self.counters.misses, 1);
