@@ -84,9 +84,10 @@ impl Inner {
     }
 
     /// Drops `file` and its copy. The unlink (of a local file, tens of microseconds) is the
-    /// one cache-directory call made under the state lock: deferring it until the lock was
-    /// released, with re-staging held back until it was done, lowered the hit ratio of a 30%
-    /// cache through a mount from 0.999 to 0.75-0.95 in engine_bench (cause not found).
+    /// one cache-directory call made under the state lock: deferred until the lock was
+    /// released, a new copy of the file had to be held back until it was done (or the late
+    /// unlink would remove it), and readers of just-evicted files waited for that: a 30% cache
+    /// through a mount fell from 1.0 to 0.90-0.97 hits with 3-5x the stall (engine_bench).
     pub(super) fn evict(&self, st: &mut State, file: FileId) {
         // Staged ahead and evicted before anyone read it: staging wasted.
         if st.unread.contains(&file) {
