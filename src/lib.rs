@@ -9,6 +9,8 @@
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod cache;
 pub mod catalog;
 pub mod cli;

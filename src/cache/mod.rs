@@ -660,6 +660,7 @@ impl CacheDir {
     pub fn filesystem_space(&self) -> io::Result<(u64, u64)> {
         let c = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
             .map_err(io::Error::other)?;
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: valid C string and out pointer.
         if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
@@ -1009,10 +1010,8 @@ mod tests {
         cache.open_verified(&catalog, id).unwrap();
         let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: valid C strings.
-        assert_eq!(
-            unsafe { libc::removexattr(c.as_ptr(), SUM_XATTR.as_ptr()) },
-            0
-        );
+        let removed = unsafe { libc::removexattr(c.as_ptr(), SUM_XATTR.as_ptr()) };
+        assert_eq!(removed, 0);
         let e = cache.open_verified(&catalog, id).unwrap_err();
         assert!(matches!(e, CacheError::NoChecksum(_)), "{e}");
 

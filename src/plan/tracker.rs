@@ -385,8 +385,7 @@ mod tests {
     }
 
     #[test]
-    fn wrong_seed_gets_lost_and_find_position_resyncs() {
-        let truth = plan(5000, SamplerKind::TorchRandom, 1);
+    fn a_resumed_job_gets_lost_and_find_position_resyncs() {
         let p = plan(5000, SamplerKind::TorchRandom, 1);
         let mut t = Tracker::new(
             p.clone(),
@@ -396,7 +395,7 @@ mod tests {
             },
         );
         // The job resumed at epoch 5.
-        let stream = truth.stream(5);
+        let stream = p.stream(5);
         let mut lost_at = None;
         for (i, f) in stream.iter().enumerate().take(100) {
             if planned_open(&mut t, *f).became_lost {

@@ -526,7 +526,7 @@ fn a_slow_source_still_gives_the_right_bytes() {
 }
 
 #[test]
-fn a_wrong_seed_is_never_an_error_and_a_resumed_job_is_found_again() {
+fn a_resumed_job_is_never_an_error_and_is_found_again() {
     // The job really uses seed 7 and resumed at epoch 3; stagefs was told seed 7, epoch 0.
     let mut setup = Setup::new(2000, SamplerKind::TorchRandom);
     setup.sampler.seed = 7;
@@ -685,7 +685,8 @@ proptest! {
             }
         }
         let g = h.stager().gauges();
-        prop_assert!(g.cache_used_bytes <= g.cache_capacity_bytes.max(h.share_bytes()));
+        // Staging needs room: the cache never holds more than its capacity.
+        prop_assert!(g.cache_used_bytes <= g.cache_capacity_bytes);
     }
 }
 
