@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::stats::Snapshot;
 
@@ -101,21 +101,6 @@ fn is_inside_mount(path: &Path) -> bool {
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }
 
-fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
 pub fn table(s: &Snapshot) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("sampler", format!("{} ({})", s.sampler, s.mode)),
@@ -136,19 +121,19 @@ pub fn table(s: &Snapshot) -> String {
             "cache",
             format!(
                 "{} of {} ({} files)",
-                human_bytes(s.cache_used_bytes),
-                human_bytes(s.cache_capacity_bytes),
+                HumanBytes(s.cache_used_bytes),
+                HumanBytes(s.cache_capacity_bytes),
                 s.cached_files
             ),
         ),
         (
             "staged",
-            format!("{} files, {}", s.staged_files, human_bytes(s.staged_bytes)),
+            format!("{} files, {}", s.staged_files, HumanBytes(s.staged_bytes)),
         ),
-        ("read from source", human_bytes(s.source_bytes)),
+        ("read from source", HumanBytes(s.source_bytes).to_string()),
         (
             "evictions",
-            format!("{} ({} wasted)", s.evictions, human_bytes(s.wasted_bytes)),
+            format!("{} ({} wasted)", s.evictions, HumanBytes(s.wasted_bytes)),
         ),
         ("mispredictions", s.mispredictions.to_string()),
         (
