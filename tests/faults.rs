@@ -469,7 +469,9 @@ fn source_gone_mid_epoch_staged_files_serve_unstaged_get_eio_and_staging_resumes
     let client_pid = pfs.as_ref().unwrap().daemon_pid();
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(client_pid, libc::SIGKILL) }, 0);
-    assert!(wait_for(Duration::from_secs(10), || !process_alive(client_pid)));
+    assert!(wait_for(Duration::from_secs(10), || !process_alive(
+        client_pid
+    )));
     // Staged files keep being served (and move the cursor on, so the frontier hits the fault).
     for rel in &order[100..150] {
         ds.read(&m.mnt, rel)

@@ -83,7 +83,10 @@ fn an_exiting_daemon_leaves_the_next_mount_at_its_path_alone() {
     let survived = is_mounted(&m.mnt);
     let _ = Command::new("umount").arg(&m.mnt).status();
     assert!(exited, "the old daemon did not exit");
-    assert!(survived, "the old daemon unmounted the tmpfs mounted after it");
+    assert!(
+        survived,
+        "the old daemon unmounted the tmpfs mounted after it"
+    );
     std::mem::forget(m);
 }
 

@@ -117,10 +117,12 @@ pub enum CacheError {
 pub enum CopyError {
     #[error("reading {path}: {source}")]
     Source { path: PathBuf, source: io::Error },
-    /// Not the file that was catalogued any more, before or during the copy; `errno` is what
-    /// its readers get (ENOENT when it was deleted, ESTALE otherwise).
-    #[error("{path} changed on the source since it was mounted")]
-    SourceChanged { path: PathBuf, errno: i32 },
+    /// Deleted on the source since it was catalogued.
+    #[error("{0} was deleted on the source since it was mounted")]
+    SourceGone(PathBuf),
+    /// Not the file that was catalogued any more, before or during the copy.
+    #[error("{0} changed on the source since it was mounted")]
+    SourceChanged(PathBuf),
     #[error("cache file system is full")]
     NoSpace,
     #[error("writing the cache: {0}")]
@@ -592,10 +594,7 @@ impl CacheDir {
         }
         // The source must still be the file we catalogued, or the copy could mix versions.
         if copied != entry.size || !entry.is_unchanged(&src.metadata().map_err(src_err)?) {
-            return Err(CopyError::SourceChanged {
-                path: source.to_path_buf(),
-                errno: libc::ESTALE,
-            });
+            return Err(CopyError::SourceChanged(source.to_path_buf()));
         }
         self.record_checksum(&out, hasher.digest128())?;
         let mtime = libc::timespec {

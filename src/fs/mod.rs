@@ -290,7 +290,10 @@ impl Filesystem for StageFs {
         if self.data.stager.file_state(id) != "cached"
             && let Err(refusal) = access::refuse_own_thread(self.caller(req), self.gate.euid())
         {
-            log::warn!("refused {}: {refusal}", self.data.catalog.relative_path(id).display());
+            log::warn!(
+                "refused {}: {refusal}",
+                self.data.catalog.relative_path(id).display()
+            );
             return reply.error(Errno::from_i32(refusal.errno()));
         }
         let handles = self.handles.clone();
@@ -351,7 +354,7 @@ impl Filesystem for StageFs {
                     }
                     drop(inode);
                 }
-                Err(errno) => reply.error(Errno::from_i32(errno)),
+                Err(e) => reply.error(Errno::from_i32(e.errno())),
             }),
         );
     }

@@ -223,7 +223,10 @@ fn source_node(fs: &StageFs, id: FileId) -> Result<SourceNode, i32> {
         Some(libc::ENOENT) => libc::ENOENT,
         _ => libc::ESTALE,
     })?;
-    let path = c_path(std::path::Path::new(&format!("/proc/self/fd/{}", fd.as_raw_fd())))?;
+    let path = c_path(std::path::Path::new(&format!(
+        "/proc/self/fd/{}",
+        fd.as_raw_fd()
+    )))?;
     Ok(SourceNode { _fd: fd, path })
 }
 
@@ -272,18 +275,16 @@ pub(super) fn set(fs: &StageFs, id: FileId, name: &OsStr, value: &[u8], reply: R
     }
     let stager = &fs.data.stager;
     match parse_epoch(value) {
-        Some(epoch) if stager.plan_predicts() => {
-            match stager.check_epoch(epoch) {
-                Ok(()) => {
-                    stager.set_epoch(epoch);
-                    reply.ok();
-                }
-                Err(e) => {
-                    log::warn!("user.stagefs.epoch not changed: {e}");
-                    reply.error(Errno::EINVAL);
-                }
+        Some(epoch) if stager.plan_predicts() => match stager.check_epoch(epoch) {
+            Ok(()) => {
+                stager.set_epoch(epoch);
+                reply.ok();
             }
-        }
+            Err(e) => {
+                log::warn!("user.stagefs.epoch not changed: {e}");
+                reply.error(Errno::EINVAL);
+            }
+        },
         _ => reply.error(Errno::EINVAL),
     }
 }

@@ -345,7 +345,10 @@ mod tests {
         assert!(p.check_epoch_reachable(37).is_ok());
         for epoch in [u64::MAX / 10 - 1, u64::MAX - 1, u64::MAX] {
             assert!(
-                matches!(p.check_epoch_reachable(epoch), Err(OrderError::EpochTooLarge { .. })),
+                matches!(
+                    p.check_epoch_reachable(epoch),
+                    Err(OrderError::EpochTooLarge { .. })
+                ),
                 "{epoch}"
             );
         }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::source::{self, SourceError};
-use super::{Answer, Deferred, FileState, Inner, Job, State, backoff};
+use super::{Answer, Deferred, FileState, Inner, Job, OpenError, State, backoff};
 use crate::cache::CopyError;
 use crate::catalog::FileId;
 use crate::plan::TrackerMode;
@@ -64,9 +64,12 @@ impl Inner {
         loop {
             let staged = match source::open_verified(&*self.source, &self.catalog, file) {
                 Ok(f) => self.cache.stage(f, &self.catalog, file),
-                Err(SourceError::Changed { path, errno, .. }) => {
-                    Err(CopyError::SourceChanged { path, errno })
-                }
+                Err(SourceError::Changed {
+                    path,
+                    error: OpenError::Gone,
+                    ..
+                }) => Err(CopyError::SourceGone(path)),
+                Err(SourceError::Changed { path, .. }) => Err(CopyError::SourceChanged(path)),
                 Err(SourceError::Io { path, source }) => Err(CopyError::Source { path, source }),
             };
             match staged {
@@ -82,7 +85,12 @@ impl Inner {
     }
 
     /// Books the outcome of a copy and decides how its waiting readers are answered.
-    pub(super) fn complete(&self, st: &mut State, job: Job, result: Result<u64, CopyError>) -> Deferred {
+    pub(super) fn complete(
+        &self,
+        st: &mut State,
+        job: Job,
+        result: Result<u64, CopyError>,
+    ) -> Deferred {
         let file = job.file;
         let size = self.size_of(file);
         st.space.reserved = st.space.reserved.saturating_sub(size);
@@ -93,7 +101,7 @@ impl Inner {
         enum Then {
             Cache,
             Source,
-            Fail(i32),
+            Fail(OpenError),
         }
         let then = match result {
             Ok(bytes) => {
@@ -146,21 +154,23 @@ impl Inner {
                 Counters::add(&self.counters.errors, 1);
                 Then::Source
             }
-            Err(CopyError::SourceChanged { path, errno }) => {
+            Err(e @ (CopyError::SourceGone(_) | CopyError::SourceChanged(_))) => {
                 // Not a fault of the file system: no pause, staging goes on with the others.
                 st.files.set(file, FileState::Remote);
                 st.changed.insert(file);
+                let error = match e {
+                    CopyError::SourceGone(_) => OpenError::Gone,
+                    _ => OpenError::Changed,
+                };
                 log::warn!(
-                    "{} is not the file scanned at mount time any more (deleted, replaced or rewritten); its readers get {} (remount to see the new version)",
-                    path.display(),
-                    if errno == libc::ENOENT {
-                        "ENOENT"
-                    } else {
-                        "ESTALE"
+                    "{e}; its readers get {} (remount to see the new version)",
+                    match error {
+                        OpenError::Gone => "ENOENT",
+                        _ => "ESTALE",
                     }
                 );
                 Counters::add(&self.counters.errors, 1);
-                Then::Fail(errno)
+                Then::Fail(error)
             }
             Err(CopyError::Source { path, source }) => {
                 st.files.set(file, FileState::Remote);
@@ -175,7 +185,7 @@ impl Inner {
                 if let Some(pos) = job.position {
                     self.rewind_frontier(st, pos);
                 }
-                Then::Fail(libc::EIO)
+                Then::Fail(OpenError::Io)
             }
         };
         for w in waiters {

@@ -81,7 +81,8 @@ impl Inner {
             }
             let size = self.size_of(file);
             let state = st.files.get(file);
-            if state != FileState::Remote || st.changed.contains(&file) || size > st.space.capacity {
+            if state != FileState::Remote || st.changed.contains(&file) || size > st.space.capacity
+            {
                 st.frontier += 1;
                 st.ahead_bytes += size;
                 continue;
@@ -94,9 +95,7 @@ impl Inner {
     /// Whether the frontier may take another position: predicting, not paused, and within the
     /// horizon (the cursor's epoch and the next) and the lookahead.
     pub(super) fn frontier_open(&self, st: &State) -> bool {
-        if st.tracker.mode() != TrackerMode::Predicting
-            || st.backoff.paused(Instant::now())
-        {
+        if st.tracker.mode() != TrackerMode::Predicting || st.backoff.paused(Instant::now()) {
             return false;
         }
         let cursor = st.tracker.cursor();

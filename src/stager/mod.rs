@@ -70,8 +70,33 @@ pub struct Opened {
     pub from_cache: bool,
 }
 
-/// Errno for the reader (EIO, ESTALE, ENOENT).
-pub type OpenResult = Result<Opened, i32>;
+/// Why a reader's open fails: what the engine answers the FUSE layer, which gives the reader
+/// [`OpenError::errno`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    /// Deleted on SOURCE since the scan.
+    #[error("deleted on SOURCE since the mount")]
+    Gone,
+    /// Not the catalogued file any more: rewritten, replaced by another file, a link or a FIFO.
+    #[error("changed on SOURCE since the mount")]
+    Changed,
+    /// SOURCE failed after the retries, or the copy took longer than `--open-timeout`.
+    #[error("SOURCE could not be read in time")]
+    Io,
+}
+
+impl OpenError {
+    /// The errno the reader gets.
+    pub fn errno(self) -> i32 {
+        match self {
+            OpenError::Gone => libc::ENOENT,
+            OpenError::Changed => libc::ESTALE,
+            OpenError::Io => libc::EIO,
+        }
+    }
+}
+
+pub type OpenResult = Result<Opened, OpenError>;
 pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -368,7 +393,7 @@ impl Inner {
             }),
             Err(e) => {
                 log::warn!("{e}");
-                Err(e.errno())
+                Err(e.open_error())
             }
         }
     }
@@ -509,5 +534,4 @@ impl Inner {
             }
         }
     }
-
 }

@@ -53,7 +53,8 @@ impl Inner {
                 let cursor = st.tracker.cursor();
                 for &file in chunk {
                     if st.space.evict.key(file) == Some(NEVER) {
-                        st.space.evict
+                        st.space
+                            .evict
                             .set_next_use(file, self.plan.next_use(file, cursor));
                     }
                 }
@@ -85,7 +86,9 @@ impl Inner {
                     st.ahead_bytes = st.ahead_bytes.saturating_sub(self.size_of(file));
                 }
                 if st.space.evict.contains(file) {
-                    st.space.evict.set_next_use(file, self.plan.next_use(file, to));
+                    st.space
+                        .evict
+                        .set_next_use(file, self.plan.next_use(file, to));
                 }
             }
             pos += end;
@@ -99,7 +102,8 @@ impl Inner {
     pub(super) fn rekey_all(&self, st: &mut State) {
         let cursor = st.tracker.cursor();
         for file in st.space.evict.files() {
-            st.space.evict
+            st.space
+                .evict
                 .set_next_use(file, self.plan.next_use(file, cursor));
         }
     }

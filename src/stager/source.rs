@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use super::OpenError;
 use crate::catalog::{Catalog, FileId, Kind};
 use crate::sys;
 
@@ -129,8 +130,8 @@ pub enum SourceError {
     Changed {
         path: PathBuf,
         why: &'static str,
-        /// What the reader gets: ENOENT when it is gone, ESTALE when something else is there.
-        errno: i32,
+        /// What the reader gets: [`OpenError::Gone`] or [`OpenError::Changed`].
+        error: OpenError,
     },
     /// The file system failed (or refused): worth retrying.
     #[error("reading {path}: {source}")]
@@ -138,13 +139,13 @@ pub enum SourceError {
 }
 
 impl SourceError {
-    /// The errno a reader of the file gets for this error.
-    pub fn errno(&self) -> i32 {
+    /// What a reader of the file is answered.
+    pub fn open_error(&self) -> OpenError {
         match self {
-            SourceError::Changed { errno, .. } => *errno,
+            SourceError::Changed { error, .. } => *error,
             // A listed file that cannot be read is an I/O problem to the reader (ENOTCONN
             // from a vanished source would only confuse it).
-            SourceError::Io { .. } => libc::EIO,
+            SourceError::Io { .. } => OpenError::Io,
         }
     }
 }
@@ -156,17 +157,17 @@ pub fn open_verified(
     file: FileId,
 ) -> Result<File, SourceError> {
     let relative = catalog.relative_path(file);
-    let changed = |why, errno| SourceError::Changed {
+    let changed = |why, error| SourceError::Changed {
         path: catalog.root_path().join(&relative),
         why,
-        errno,
+        error,
     };
     let opened = source.open(&relative).map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => changed("was deleted", libc::ENOENT),
+        Some(libc::ENOENT) => changed("was deleted", OpenError::Gone),
         // A symlink (ELOOP), a path leaving SOURCE (EXDEV), a file where a directory was
         // (ENOTDIR), a stale handle: all say the tree is not the one catalogued.
         Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR | libc::ESTALE | libc::ENXIO) => {
-            changed("was replaced", libc::ESTALE)
+            changed("was replaced", OpenError::Changed)
         }
         _ => SourceError::Io {
             path: catalog.root_path().join(&relative),
@@ -179,12 +180,15 @@ pub fn open_verified(
     })?;
     let entry = catalog
         .entry(file)
-        .ok_or_else(|| changed("is unknown", libc::ENOENT))?;
+        .ok_or_else(|| changed("is unknown", OpenError::Gone))?;
     if Kind::of(meta.file_type()) != Kind::File {
-        return Err(changed("was replaced by a non-regular file", libc::ESTALE));
+        return Err(changed(
+            "was replaced by a non-regular file",
+            OpenError::Changed,
+        ));
     }
     if !entry.is_unchanged(&meta) {
-        return Err(changed("changed", libc::ESTALE));
+        return Err(changed("changed", OpenError::Changed));
     }
     // Opened non-blocking only so a FIFO could not hold us; reads of the regular file it
     // turned out to be should block as usual (a network file system may honour the flag).
@@ -211,7 +215,7 @@ mod tests {
                 io::Read::read_to_end(&mut f, &mut v).unwrap();
                 v
             })
-            .map_err(|e| e.errno())
+            .map_err(|e| e.open_error().errno())
     }
 
     #[test]

@@ -221,7 +221,8 @@ impl Harness {
             .open(file, Box::new(move |r| tx.send(r).unwrap()));
         let opened = rx
             .recv_timeout(Duration::from_secs(60))
-            .expect("open answered")?;
+            .expect("open answered")
+            .map_err(OpenError::errno)?;
         let mut buf = Vec::new();
         let mut f = opened.file;
         f.read_to_end(&mut buf).unwrap();
@@ -490,9 +491,16 @@ fn a_source_whose_opens_block_never_delays_a_cache_hit() {
         h.check(small);
         let took = started.elapsed();
         // A wide bound for a loaded machine: the stall it guards against is 3 s.
-        assert!(took < Duration::from_secs(1), "a cache hit waited {took:?} behind SOURCE");
+        assert!(
+            took < Duration::from_secs(1),
+            "a cache hit waited {took:?} behind SOURCE"
+        );
     });
-    assert_eq!(h.get(&h.counters.hits), hits + 1, "the small file was a hit");
+    assert_eq!(
+        h.get(&h.counters.hits),
+        hits + 1,
+        "the small file was a hit"
+    );
 }
 
 #[test]

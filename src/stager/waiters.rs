@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::{Answer, Deferred, Inner, OpenCallback};
+use super::{Answer, Deferred, Inner, OpenCallback, OpenError};
 use crate::catalog::FileId;
 use crate::stats::Counters;
 
@@ -24,7 +24,10 @@ pub struct Waiters(HashMap<FileId, Vec<Waiter>>);
 
 impl Waiters {
     pub fn add(&mut self, file: FileId, reply: OpenCallback, since: Instant) {
-        self.0.entry(file).or_default().push(Waiter { reply, since });
+        self.0
+            .entry(file)
+            .or_default()
+            .push(Waiter { reply, since });
     }
 
     /// Everyone waiting for `file`, now to be answered.
@@ -76,7 +79,9 @@ impl Inner {
                         &self.counters.stall_nanos,
                         now.saturating_duration_since(w.since).as_nanos() as u64,
                     );
-                    deferred.replies.push((w.reply, Answer::Done(Err(libc::EIO))));
+                    deferred
+                        .replies
+                        .push((w.reply, Answer::Done(Err(OpenError::Io))));
                 }
                 if let Some(free) = free
                     && st.space.regrow(free)
@@ -111,6 +116,9 @@ mod tests {
         assert_eq!(w.take(2).len(), 0, "file 2 had only the expired one");
         assert_eq!(w.take(1).len(), 1, "the younger one still waits");
         assert_eq!(w.take(1).len(), 0, "taken once");
-        assert!(w.expired(t0 + Duration::from_secs(60), Duration::ZERO).is_empty());
+        assert!(
+            w.expired(t0 + Duration::from_secs(60), Duration::ZERO)
+                .is_empty()
+        );
     }
 }

@@ -153,7 +153,11 @@ impl TestMount {
     /// when a process still holds something under it).
     pub fn detach_dead(mut self) {
         self.mounted = false;
-        let status = Command::new("umount").arg("-l").arg(&self.mnt).status().unwrap();
+        let status = Command::new("umount")
+            .arg("-l")
+            .arg(&self.mnt)
+            .status()
+            .unwrap();
         assert!(status.success(), "umount -l {}", self.mnt.display());
     }
 
