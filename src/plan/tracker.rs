@@ -11,7 +11,7 @@
 //! declares itself lost; the stager then searches for the epoch and position the recent opens
 //! do follow ([`find_position`]) and either repositions the tracker or stays on demand.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::{Plan, Position};
@@ -264,7 +264,7 @@ pub fn find_position(
     if recent.is_empty() || !plan.predicts() {
         return None;
     }
-    let wanted: HashMap<FileId, ()> = recent.iter().map(|&f| (f, ())).collect();
+    let wanted: HashSet<FileId> = recent.iter().copied().collect();
     let needed = (wanted.len() * 3).div_ceil(4);
     let mut best: Option<(usize, Position)> = None;
     for epoch in epochs {
@@ -272,7 +272,7 @@ pub fn find_position(
         let hits: Vec<u64> = stream
             .iter()
             .enumerate()
-            .filter(|(_, f)| wanted.contains_key(f))
+            .filter(|(_, f)| wanted.contains(f))
             .map(|(o, _)| o as u64)
             .collect();
         // Densest run of hits spanning at most one window (two-pointer sweep).
