@@ -45,7 +45,7 @@ fn parse_interval(s: &str) -> Result<Duration, String> {
 }
 
 pub fn read_snapshot(mountpoint: &Path) -> Result<Snapshot, String> {
-    let raw = read_xattr(mountpoint, "user.stagefs.stats")?;
+    let raw = read_xattr(mountpoint, crate::fs::STATS_XATTR)?;
     serde_json::from_slice(&raw)
         .map_err(|e| format!("{}: unreadable statistics ({e})", mountpoint.display()))
 }
@@ -96,7 +96,7 @@ fn is_inside_mount(path: &Path) -> bool {
     let Ok(p) = CString::new(path.as_os_str().as_encoded_bytes()) else {
         return false;
     };
-    let n = CString::new("user.stagefs.state").expect("static name");
+    let n = CString::new(crate::fs::STATE_XATTR).expect("static name");
     // SAFETY: valid C strings; a size probe writes nothing.
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }

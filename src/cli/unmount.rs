@@ -30,7 +30,7 @@ pub fn run(args: UnmountArgs) -> Result<(), String> {
     // The daemon's pid, to wait for it to exit so its cache is free for the next mount. A dead
     // daemon's mount answers ENOTCONN at once; a stopped or wedged one not at all.
     let path = mp.clone();
-    let answer = mounts::bounded(ANSWER_WAIT, move || getxattr(&path, "user.stagefs.pid"));
+    let answer = mounts::bounded(ANSWER_WAIT, move || getxattr(&path, crate::fs::PID_XATTR));
     let Some(answer) = answer else {
         return force(
             &mp,

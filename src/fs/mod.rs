@@ -11,7 +11,7 @@
 mod access;
 mod xattr;
 
-pub use xattr::parse_epoch;
+pub use xattr::{PID_XATTR, STATE_XATTR, STATS_XATTR, parse_epoch};
 
 use std::ffi::OsStr;
 use std::fs::File;

@@ -34,6 +34,15 @@ use crate::catalog::{Catalog, FileId, Kind, ROOT};
 use crate::stats::Snapshot;
 
 pub const PREFIX: &str = "user.stagefs.";
+/// The keys under [`PREFIX`] that commands read: every statistic as JSON (root), the daemon's
+/// pid (root), and a file's or directory's staging state (anywhere).
+const STATS: &str = "stats";
+const PID: &str = "pid";
+const STATE: &str = "state";
+/// The same as the full names `getfattr -n` takes, for the commands that read them.
+pub const STATS_XATTR: &str = "user.stagefs.stats";
+pub const PID_XATTR: &str = "user.stagefs.pid";
+pub const STATE_XATTR: &str = "user.stagefs.state";
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
 const MAX_SOURCE_VALUE: usize = 64 * 1024;
 
@@ -103,7 +112,7 @@ impl Probes {
 /// A snapshot value as its single attribute: numbers and booleans as JSON writes them,
 /// strings without quotes.
 fn snapshot_value(snapshot: &Snapshot, key: &str) -> Option<Vec<u8>> {
-    if key == "stats" {
+    if key == STATS {
         // Straight from the struct, so the keys keep their documented order.
         return Some(serde_json::to_vec(snapshot).expect("snapshot serializes"));
     }
@@ -146,7 +155,7 @@ fn cached_in_subtree(fs: &StageFs, catalog: &Catalog, dir: FileId) -> (u64, u64)
 fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
     let data = &fs.data;
     if id == ROOT {
-        if key == "pid" {
+        if key == PID {
             return Some(std::process::id().to_string().into_bytes());
         }
         let snapshot = StageFs::snapshot(data, fs.passthrough.load(Ordering::Relaxed));
@@ -154,7 +163,7 @@ fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
             return Some(v);
         }
     }
-    if key != "state" {
+    if key != STATE {
         return None;
     }
     let entry = data.catalog.entry(id)?;
@@ -346,7 +355,14 @@ fn source_list(node: &SourceNode) -> Result<Vec<u8>, i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_epoch, without_ours};
+    use super::*;
+
+    #[test]
+    fn full_names_are_the_keys_under_the_prefix() {
+        for (full, key) in [(STATS_XATTR, STATS), (PID_XATTR, PID), (STATE_XATTR, STATE)] {
+            assert_eq!(full.strip_prefix(PREFIX), Some(key));
+        }
+    }
 
     #[test]
     fn epoch_values() {
