@@ -63,8 +63,7 @@ fn make_dataset(root: &Path, files: u32) -> Result<(), String> {
 }
 
 pub fn run(args: DemoArgs) -> Result<(), String> {
-    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
-        .try_init();
+    let _ = super::logger("warn").try_init();
     let temp = match &args.workdir {
         Some(_) => None,
         None => Some(

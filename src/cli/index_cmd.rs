@@ -21,8 +21,7 @@ pub struct IndexArgs {
 
 pub fn run(args: IndexArgs) -> Result<(), String> {
     // The scan reports progress through the log: show it on stderr.
-    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .try_init();
+    let _ = super::logger("info").try_init();
     if args.scan_threads == 0 {
         return Err("--scan-threads must be at least 1".into());
     }

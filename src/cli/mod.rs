@@ -177,3 +177,9 @@ pub fn run() -> i32 {
         }
     }
 }
+
+/// The log as every command sets it up: `RUST_LOG` if set, else `default` (a level), on stderr
+/// unless the caller sends it elsewhere before `try_init`.
+fn logger(default: &str) -> env_logger::Builder {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
+}

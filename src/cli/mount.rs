@@ -344,8 +344,7 @@ fn blocked_signals() -> libc::sigset_t {
 /// Checks the cache directory as given (a link to one is refused, not resolved) before
 /// anything is written, and sends a detached daemon's log to its file.
 fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
-    let mut builder =
-        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    let mut builder = super::logger("info");
     crate::cache::check_root(&args.cache).map_err(|e| e.to_string())?;
     if detached {
         let path = match &args.log_file {
