@@ -221,3 +221,66 @@ fn an_intact_cache_is_still_reused() {
     assert_eq!(m.stat("staged_files"), 0);
     m.unmount();
 }
+
+/// The metrics and log files stagefs writes (as root, often into shared directories) never
+/// replace, follow or block on what someone else put there.
+#[test]
+fn metrics_and_log_files_never_take_what_others_put_there() {
+    let tmp = tempfile::tempdir().unwrap();
+    let work = tmp.path();
+    // A shared directory, as /tmp is.
+    let shared = work.join("shared");
+    fs::create_dir(&shared).unwrap();
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+    let notes = shared.join("notes.txt");
+    fs::write(&notes, b"a user's precious notes").unwrap();
+    std::os::unix::fs::chown(&notes, Some(65534), Some(65534)).unwrap();
+    let own = shared.join("own.txt");
+    fs::write(&own, b"root's own text, not metrics").unwrap();
+    let fifo = shared.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    let src = source(work);
+    let mnt = work.join("mnt");
+    fs::create_dir(&mnt).unwrap();
+    let mount = |extra: &[&str]| {
+        let mut args = vec![
+            "mount",
+            src.to_str().unwrap(),
+            mnt.to_str().unwrap(),
+            "--cache",
+        ];
+        let cache = work.join("cache");
+        let cache = cache.to_str().unwrap().to_string();
+        args.push(&cache);
+        args.extend_from_slice(extra);
+        let out = common::stagefs_within(20, &args);
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for (option, path, why) in [
+        ("--metrics-file", &notes, "belongs to another user"),
+        ("--metrics-file", &own, "something other than stagefs metrics"),
+        ("--metrics-file", &fifo, "not a regular file"),
+        ("--log-file", &notes, "belongs to another user"),
+        ("--log-file", &fifo, "not a regular file"),
+    ] {
+        let (ok, stderr) = mount(&[option, path.to_str().unwrap()]);
+        assert!(!ok && stderr.contains(why), "{option} {path:?}: {stderr}");
+        assert!(!common::is_mounted(&mnt), "{option} {path:?} mounted");
+    }
+    assert_eq!(fs::read(&notes).unwrap(), b"a user's precious notes");
+    assert_eq!(fs::read(&own).unwrap(), b"root's own text, not metrics");
+
+    // A metrics file of its own, in the shared directory: written, and replaced next time.
+    let metrics = shared.join("stagefs.prom");
+    let (ok, stderr) = mount(&["--metrics-file", metrics.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(common::wait_for(std::time::Duration::from_secs(10), || {
+        fs::read(&metrics).is_ok_and(|m| m.starts_with(b"# HELP stagefs_"))
+    }));
+    assert!(stagefs(&["unmount", mnt.to_str().unwrap()]).status.success());
+    let (ok, stderr) = mount(&["--metrics-file", metrics.to_str().unwrap()]);
+    assert!(ok, "a previous metrics file may be replaced: {stderr}");
+    assert!(stagefs(&["unmount", mnt.to_str().unwrap()]).status.success());
+}

@@ -28,7 +28,7 @@ use std::collections::HashSet;
 use std::ffi::{CStr, OsString};
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -735,21 +735,21 @@ pub fn write_atomically_with(
     mode: u32,
     write: impl FnOnce(&File) -> io::Result<()>,
 ) -> io::Result<()> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let result = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        // A link planted under the temporary name must not redirect the write.
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(&tmp)
-        .and_then(|f| write(&f))
-        .and_then(|_| fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    // A new file under a random name, created exclusively: nothing planted under a
+    // predictable name (a link, a FIFO that would block the writer, another user's file)
+    // can be opened instead. Removed again if anything fails before the rename.
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .permissions(fs::Permissions::from_mode(mode))
+        .tempfile_in(dir)?;
+    write(tmp.as_file())?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 use std::ffi::OsString;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -284,8 +284,13 @@ pub fn run(args: MountArgs) -> Result<(), String> {
             std::io::Error::last_os_error()
         );
     }
-    let metrics = metrics_path.map(|path| {
-        crate::stats::MetricsWriter::start(path, started.data.clone(), started.passthrough.clone())
+    let metrics = metrics_path.and_then(|path| {
+        let (data, passthrough) = (started.data.clone(), started.passthrough.clone());
+        let source = data.catalog.root_path().to_path_buf();
+        let snapshot = move || StageFs::snapshot(&data, passthrough.load(Ordering::Relaxed));
+        crate::stats::MetricsWriter::start(path, source, snapshot)
+            .inspect_err(|e| log::warn!("cannot start the metrics writer: {e}"))
+            .ok()
     });
     wait_for_exit(&started);
     if let Some(m) = metrics {
@@ -370,19 +375,42 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
         };
         // It names the dataset's files: private like the cache. A link is never followed: one
         // planted there would make root append to its target.
+        // Non-blocking: a FIFO planted there must not hold the mount.
         let file = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&path)
             .map_err(|e| match e.raw_os_error() {
                 Some(libc::ELOOP) => format!(
                     "log file {} is a symbolic link, which stagefs does not follow; remove it or give another --log-file",
                     path.display()
                 ),
+                // A FIFO with no reader, opened non-blocking for writing.
+                Some(libc::ENXIO) => format!(
+                    "log file {} is not a regular file; give another --log-file",
+                    path.display()
+                ),
                 _ => format!("cannot open log file {}: {e}", path.display()),
             })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("log file {}: {e}", path.display()))?;
+        if !meta.is_file() {
+            return Err(format!(
+                "log file {} is not a regular file; give another --log-file",
+                path.display()
+            ));
+        }
+        // SAFETY: geteuid has no preconditions.
+        if meta.uid() != unsafe { libc::geteuid() } {
+            return Err(format!(
+                "log file {} belongs to another user (uid {}), who could read what the daemon logs; give a file of your own",
+                path.display(),
+                meta.uid()
+            ));
+        }
         builder.target(env_logger::Target::Pipe(Box::new(file)));
     }
     let _ = builder.try_init();
@@ -674,8 +702,28 @@ fn settings(args: &MountArgs) -> Result<Settings, String> {
 /// the daemon starts, since the daemon could only log it.
 fn check_metrics_file(path: &Path) -> Result<(), String> {
     let fail = |why: String| format!("--metrics-file {}: {why}", path.display());
-    if path.is_dir() {
-        return Err(fail("is a directory; give a file name".into()));
+    // The daemon replaces the file every few seconds: only a file stagefs wrote before may be
+    // replaced, never a user's file, someone else's, or what a link points to.
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => return Err(fail("is a directory; give a file name".into())),
+        Ok(m) if !m.is_file() => {
+            return Err(fail(
+                "is not a regular file (a link, FIFO or device); give a new file name".into(),
+            ));
+        }
+        // SAFETY: geteuid has no preconditions.
+        Ok(m) if m.uid() != unsafe { libc::geteuid() } => {
+            return Err(fail(format!(
+                "belongs to another user (uid {}); give a file of your own",
+                m.uid()
+            )));
+        }
+        Ok(m) if m.len() > 0 && !is_stagefs_metrics(path) => {
+            return Err(fail(
+                "holds something other than stagefs metrics, and stagefs replaces this file; give a new file name".into(),
+            ));
+        }
+        _ => {}
     }
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -692,6 +740,17 @@ fn check_metrics_file(path: &Path) -> Result<(), String> {
         )));
     }
     Ok(())
+}
+
+/// Whether the file at `path` starts as [`crate::stats`] writes metrics files.
+fn is_stagefs_metrics(path: &Path) -> bool {
+    let mut head = [0u8; 15];
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+        .is_ok_and(|()| &head == b"# HELP stagefs_")
 }
 
 /// Builds catalog, plan, cache and stager, and mounts. Nothing is left mounted on error.

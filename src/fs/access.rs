@@ -18,8 +18,8 @@
 //! SOURCE is refused to other users (EACCES): the no-crossing rule is what keeps the check
 //! out of the mount.
 //!
-//! The dataset is a snapshot while mounted, so decisions are kept for the mount's lifetime:
-//! per credential, two bits per catalog id (checked, allowed), for a bounded number of
+//! Decisions are kept for [`DECISION_TTL`] (a revocation on SOURCE reaches the mount within
+//! it): per credential, two bits per catalog id (checked, allowed), for a bounded number of
 //! credentials. Groups are read from `/proc/<pid>/status` on every such open (the request
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
@@ -35,6 +35,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -43,6 +44,10 @@ use crate::sys;
 
 /// Credentials whose decisions are kept: a node's mount is shared by a few users at most.
 const MAX_CREDENTIALS: usize = 16;
+/// How long a credential's decisions are kept before SOURCE is asked again: a permission
+/// revoked (or granted) on SOURCE while mounted reaches the mount within this time. A loader
+/// opens each file once per epoch, far apart, so a longer time would save little.
+const DECISION_TTL: Duration = Duration::from_secs(10);
 
 /// Why a request is refused.
 #[derive(Debug, thiserror::Error)]
@@ -203,11 +208,11 @@ impl Marks {
 }
 
 /// Read-permission decisions over catalog ids, per credential, at most [`MAX_CREDENTIALS`]
-/// of them (the least recently used is dropped).
+/// of them (the least recently used is dropped), each set kept [`DECISION_TTL`].
 pub struct Decisions {
     ids: usize,
-    /// Most recently used first.
-    table: Mutex<Vec<(Credential, Arc<Marks>)>>,
+    /// Most recently used first; with when the marks were started.
+    table: Mutex<Vec<(Credential, Instant, Arc<Marks>)>>,
 }
 
 impl Decisions {
@@ -218,25 +223,35 @@ impl Decisions {
         }
     }
 
-    fn marks(&self, cred: &Credential) -> Arc<Marks> {
+    fn marks(&self, cred: &Credential, now: Instant) -> Arc<Marks> {
         let mut table = self.table.lock();
-        if let Some(i) = table.iter().position(|(c, _)| c == cred) {
+        if let Some(i) = table.iter().position(|(c, _, _)| c == cred) {
             table[..=i].rotate_right(1);
-            return table[0].1.clone();
+            let (_, since, marks) = &mut table[0];
+            if now.saturating_duration_since(*since) >= DECISION_TTL {
+                // Expired: SOURCE is asked again, file by file.
+                *since = now;
+                *marks = Arc::new(Marks::new(self.ids));
+            }
+            return marks.clone();
         }
         table.truncate(MAX_CREDENTIALS - 1);
         let marks = Arc::new(Marks::new(self.ids));
-        table.insert(0, (cred.clone(), marks.clone()));
+        table.insert(0, (cred.clone(), now, marks.clone()));
         marks
     }
 
-    /// The decision recorded for `cred` on `id`, if any.
+    /// The decision recorded for `cred` on `id`, if any and not expired.
     pub fn get(&self, cred: &Credential, id: FileId) -> Option<bool> {
-        self.marks(cred).get(id)
+        self.get_at(cred, id, Instant::now())
+    }
+
+    fn get_at(&self, cred: &Credential, id: FileId, now: Instant) -> Option<bool> {
+        self.marks(cred, now).get(id)
     }
 
     pub fn set(&self, cred: &Credential, id: FileId, allowed: bool) {
-        self.marks(cred).set(id, allowed);
+        self.marks(cred, Instant::now()).set(id, allowed);
     }
 }
 
@@ -643,6 +658,16 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         assert_eq!(d.table.lock().len(), MAX_CREDENTIALS);
         assert_eq!(d.get(&first, 1), Some(true));
         assert_eq!(d.get(&cred(2, &[]), 1), None, "the oldest was dropped");
+    }
+
+    #[test]
+    fn decisions_expire_so_a_revocation_on_source_is_seen() {
+        let d = Decisions::new(10);
+        let c = cred(7, &[]);
+        d.set(&c, 3, true);
+        let now = Instant::now();
+        assert_eq!(d.get_at(&c, 3, now), Some(true));
+        assert_eq!(d.get_at(&c, 3, now + DECISION_TTL), None, "asked again");
     }
 
     #[test]

@@ -260,16 +260,19 @@ pub(super) fn list(fs: &StageFs, req: &Request, id: FileId, size: u32, reply: Re
         Err(errno) => Err(errno),
     };
     match listed {
-        Ok(names) => reply_bytes(reply, size, &without_ours(&names)),
+        // The daemon lists as root; `trusted.*` names are listed only to root on SOURCE too.
+        Ok(names) => reply_bytes(reply, size, &without_ours(&names, req.uid() == 0)),
         Err(errno) => reply.error(Errno::from_i32(errno)),
     }
 }
 
-/// A listxattr buffer (NUL-terminated names) without the names under [`PREFIX`].
-fn without_ours(names: &[u8]) -> Vec<u8> {
+/// A listxattr buffer (NUL-terminated names) without the names under [`PREFIX`], and without
+/// `trusted.*` ones unless `show_trusted`.
+fn without_ours(names: &[u8], show_trusted: bool) -> Vec<u8> {
     names
         .split_inclusive(|&b| b == 0)
         .filter(|n| !n.starts_with(PREFIX.as_bytes()))
+        .filter(|n| show_trusted || !n.starts_with(b"trusted."))
         .flatten()
         .copied()
         .collect()
@@ -382,12 +385,14 @@ mod tests {
     }
 
     #[test]
-    fn listing_hides_ours() {
+    fn listing_hides_ours_and_trusted_names_from_users() {
+        let listed = b"user.origin\0user.stagefs.state\0trusted.t\0security.x\0";
         assert_eq!(
-            without_ours(b"user.origin\0user.stagefs.state\0security.x\0"),
-            b"user.origin\0security.x\0"
+            without_ours(listed, true),
+            b"user.origin\0trusted.t\0security.x\0"
         );
-        assert_eq!(without_ours(b"user.stagefs.stats\0"), b"");
-        assert_eq!(without_ours(b""), b"");
+        assert_eq!(without_ours(listed, false), b"user.origin\0security.x\0");
+        assert_eq!(without_ours(b"user.stagefs.stats\0", true), b"");
+        assert_eq!(without_ours(b"", false), b"");
     }
 }

@@ -10,12 +10,12 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::Snapshot;
 use crate::cache::write_atomically;
-use crate::fs::{MountedDataset, StageFs};
 
 /// node_exporter scrapes every 15 s by default; writing every 5 s keeps values fresh
 /// without measurable cost.
@@ -201,18 +201,18 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
+    /// Writes `snapshot()` of the mount of `source` to `path` every few seconds until stopped.
     pub fn start(
         path: PathBuf,
-        data: Arc<MountedDataset>,
-        passthrough: Arc<AtomicBool>,
-    ) -> MetricsWriter {
+        source: PathBuf,
+        snapshot: impl Fn() -> Snapshot + Send + 'static,
+    ) -> std::io::Result<MetricsWriter> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
+        let thread = std::thread::Builder::new().name("metrics".into()).spawn(move || {
             let mut warned = false;
             let mut write = || {
-                let snapshot = StageFs::snapshot(&data, passthrough.load(Ordering::Relaxed));
-                let text = render(&snapshot, data.catalog.root_path());
+                let text = render(&snapshot(), &source);
                 if let Err(e) = write_atomically(&path, text.as_bytes(), 0o644)
                     && !warned
                 {
@@ -232,8 +232,8 @@ impl MetricsWriter {
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
-        });
-        MetricsWriter { stop, thread }
+        })?;
+        Ok(MetricsWriter { stop, thread })
     }
 
     pub fn stop(self) {
