@@ -380,6 +380,15 @@ impl Inner {
         }
     }
 
+    /// Answers an open with its cache file.
+    fn reply_hit(&self, reply: OpenCallback, file: File) {
+        Counters::add(&self.counters.hits, 1);
+        reply(Ok(Opened {
+            file,
+            from_cache: true,
+        }));
+    }
+
     fn open_cached(&self, file: FileId) -> std::io::Result<File> {
         self.cache.open_cached(&self.catalog, file)
     }
@@ -418,12 +427,7 @@ impl Inner {
                 Ok(f) => {
                     st.unverified.remove(file);
                     drop(st);
-                    Counters::add(&self.counters.hits, 1);
-                    reply(Ok(Opened {
-                        file: f,
-                        from_cache: true,
-                    }));
-                    return;
+                    return self.reply_hit(reply, f);
                 }
                 // Still that copy (not evicted meanwhile): drop it and stage it again below.
                 Err(e) if st.unverified.contains(file) => {
@@ -445,12 +449,7 @@ impl Inner {
             }
             if let Some(f) = pre_opened.take() {
                 drop(st);
-                Counters::add(&self.counters.hits, 1);
-                reply(Ok(Opened {
-                    file: f,
-                    from_cache: true,
-                }));
-                return;
+                return self.reply_hit(reply, f);
             }
             if attempt == 1 {
                 log::warn!(
