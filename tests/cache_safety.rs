@@ -256,11 +256,18 @@ fn metrics_and_log_files_never_take_what_others_put_there() {
         args.push(&cache);
         args.extend_from_slice(extra);
         let out = common::stagefs_within(20, &args);
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     for (option, path, why) in [
         ("--metrics-file", &notes, "belongs to another user"),
-        ("--metrics-file", &own, "something other than stagefs metrics"),
+        (
+            "--metrics-file",
+            &own,
+            "something other than stagefs metrics",
+        ),
         ("--metrics-file", &fifo, "not a regular file"),
         ("--log-file", &notes, "belongs to another user"),
         ("--log-file", &fifo, "not a regular file"),
@@ -279,8 +286,16 @@ fn metrics_and_log_files_never_take_what_others_put_there() {
     assert!(common::wait_for(std::time::Duration::from_secs(10), || {
         fs::read(&metrics).is_ok_and(|m| m.starts_with(b"# HELP stagefs_"))
     }));
-    assert!(stagefs(&["unmount", mnt.to_str().unwrap()]).status.success());
+    assert!(
+        stagefs(&["unmount", mnt.to_str().unwrap()])
+            .status
+            .success()
+    );
     let (ok, stderr) = mount(&["--metrics-file", metrics.to_str().unwrap()]);
     assert!(ok, "a previous metrics file may be replaced: {stderr}");
-    assert!(stagefs(&["unmount", mnt.to_str().unwrap()]).status.success());
+    assert!(
+        stagefs(&["unmount", mnt.to_str().unwrap()])
+            .status
+            .success()
+    );
 }

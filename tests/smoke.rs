@@ -15,3 +15,15 @@ fn mount_read_unmount() {
     m.unmount();
     assert!(!is_mounted(&mnt));
 }
+
+/// The README's first command: the demo mounts, reads through the mount from its own process
+/// (which must not be mistaken for the daemon re-entering itself), and unmounts cleanly.
+#[test]
+fn the_demo_runs_to_the_end() {
+    require_fuse();
+    let out = stagefs_within(120, ["demo"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stagefs demo: {stderr}");
+    assert!(!stderr.contains("stagefs:"), "an error line: {stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("unmounted"));
+}

@@ -24,11 +24,11 @@
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
-//! Re-entrancy: an open of a file not cached whose pid is one of the daemon's own threads (a
-//! thread that opened a SOURCE path leading back into the mount) is answered at once with
-//! EDEADLK ([`refuse_own_thread`]). Waiting on it could take every FUSE thread. Nothing else
-//! waits: a cache hit is answered at once, lookup, getattr, readdir and xattrs answer from
-//! the catalog or SOURCE, and a read needs a handle that only an open grants.
+//! Re-entrancy: an open of a file not cached that comes from one of the stager's copy threads
+//! (which opened a SOURCE path leading back into the mount) is answered at once with EDEADLK
+//! (see `fs::open`): waiting on it could take every copy thread. Nothing else waits: a cache
+//! hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog or
+//! SOURCE, and a read needs a handle that only an open grants.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -295,11 +295,6 @@ impl Gate {
         }
     }
 
-    /// The daemon's effective uid: requests as it need no check on SOURCE.
-    pub fn euid(&self) -> u32 {
-        self.euid
-    }
-
     /// SOURCE's root, opened before the mount existed.
     pub fn source_root(&self) -> Option<BorrowedFd<'_>> {
         self.root.as_ref().map(|fd| fd.as_fd())
@@ -399,22 +394,6 @@ fn read_status(pid: u32) -> io::Result<Vec<u8>> {
             Err(e) => return Err(e),
         }
     }
-}
-
-/// Refuses a request from one of the daemon's own threads, for requests that could wait (an
-/// open of a file not cached waits for its copy, or for SOURCE): waiting on itself could take
-/// every FUSE thread. The daemon's threads run as its euid, so only such requests are asked
-/// (a stat in /proc, kept off the path of cache hits and of other users' requests).
-pub fn refuse_own_thread(caller: Caller, euid: u32) -> Result<(), Refusal> {
-    match caller.uid == euid && caller.pid != 0 && own_thread(caller.pid) {
-        true => Err(Refusal::Reentrant(caller.pid)),
-        false => Ok(()),
-    }
-}
-
-/// Whether `tid` is a thread of this process.
-fn own_thread(tid: u32) -> bool {
-    Path::new(&format!("/proc/self/task/{tid}")).exists()
 }
 
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
@@ -737,15 +716,5 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
             main_sees.store(true, Ordering::SeqCst);
         });
         assert_eq!(fsuid_now(), before_uid);
-    }
-
-    /// Re-entrancy detection needs no mount: this thread is one of our own.
-    #[test]
-    fn own_threads_are_recognised() {
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() } as u32;
-        assert!(own_thread(tid));
-        assert!(own_thread(std::process::id()));
-        assert!(!own_thread(1));
     }
 }

@@ -287,9 +287,12 @@ impl Filesystem for StageFs {
         if let Err(err) = self.permitted(req, id, libc::R_OK) {
             return reply.error(err);
         }
-        if self.data.stager.file_state(id) != "cached"
-            && let Err(refusal) = access::refuse_own_thread(self.caller(req), self.gate.euid())
+        // A copy thread's open that leads back into the mount would wait for a copy that
+        // only such a thread can make. (Other threads of this process, like `stagefs demo`'s
+        // reader, are readers like any other.)
+        if self.data.stager.is_copy_thread(req.pid()) && self.data.stager.file_state(id) != "cached"
         {
+            let refusal = access::Refusal::Reentrant(req.pid());
             log::warn!(
                 "refused {}: {refusal}",
                 self.data.catalog.relative_path(id).display()

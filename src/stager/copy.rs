@@ -23,6 +23,9 @@ impl Inner {
     /// A copy thread: takes the next job (urgent first, then the frontier), copies with the
     /// lock released, books the outcome, answers the waiters.
     pub(super) fn worker(self: Arc<Self>) {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        self.copy_threads.lock().push(tid);
         let mut st = self.state.lock();
         loop {
             if self.shutdown.load(Ordering::SeqCst) {

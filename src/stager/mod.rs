@@ -168,6 +168,9 @@ struct Inner {
     work: Condvar,
     /// Wakes the planner thread (see [`Inner::planner`]).
     plan_wanted: Condvar,
+    /// Thread ids of the copy threads, which open SOURCE files: an open from one of them
+    /// through the mount must be refused, not waited on (see [`Stager::is_copy_thread`]).
+    copy_threads: Mutex<Vec<u32>>,
     shutdown: AtomicBool,
 }
 
@@ -254,6 +257,7 @@ impl Stager {
             state: Mutex::new(state),
             work: Condvar::new(),
             plan_wanted: Condvar::new(),
+            copy_threads: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
         });
         {
@@ -279,6 +283,11 @@ impl Stager {
     /// A reader opens `file`; `reply` is called exactly once, possibly from another thread.
     pub fn open(&self, file: FileId, reply: OpenCallback) {
         self.inner.open(file, reply);
+    }
+
+    /// Whether thread `tid` is one of the copy threads.
+    pub fn is_copy_thread(&self, tid: u32) -> bool {
+        self.inner.copy_threads.lock().contains(&tid)
     }
 
     /// Whether `file` is complete in the cache, being staged, or only on SOURCE.

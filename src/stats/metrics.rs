@@ -209,30 +209,32 @@ impl MetricsWriter {
     ) -> std::io::Result<MetricsWriter> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
-        let thread = std::thread::Builder::new().name("metrics".into()).spawn(move || {
-            let mut warned = false;
-            let mut write = || {
-                let text = render(&snapshot(), &source);
-                if let Err(e) = write_atomically(&path, text.as_bytes(), 0o644)
-                    && !warned
-                {
-                    log::warn!("cannot write metrics file {}: {e}", path.display());
-                    warned = true;
-                }
-            };
-            loop {
-                write();
-                // Sleep in short steps so stop() returns promptly.
-                for _ in 0..(WRITE_INTERVAL.as_millis() / 100) {
-                    if flag.load(Ordering::SeqCst) {
-                        // Last values, so the file ends with the mount's final counts.
-                        write();
-                        return;
+        let thread = std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || {
+                let mut warned = false;
+                let mut write = || {
+                    let text = render(&snapshot(), &source);
+                    if let Err(e) = write_atomically(&path, text.as_bytes(), 0o644)
+                        && !warned
+                    {
+                        log::warn!("cannot write metrics file {}: {e}", path.display());
+                        warned = true;
                     }
-                    std::thread::sleep(Duration::from_millis(100));
+                };
+                loop {
+                    write();
+                    // Sleep in short steps so stop() returns promptly.
+                    for _ in 0..(WRITE_INTERVAL.as_millis() / 100) {
+                        if flag.load(Ordering::SeqCst) {
+                            // Last values, so the file ends with the mount's final counts.
+                            write();
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
                 }
-            }
-        })?;
+            })?;
         Ok(MetricsWriter { stop, thread })
     }
 
