@@ -11,18 +11,20 @@
 //!     index.bin          the catalog of SOURCE, so the next mount need not scan it
 //!     stagefs.log        the detached daemon's log (unless --log-file)
 //!     tmp/               copies in progress (deleted at start-up)
-//!     data/xx/HASH       complete files; HASH = sha256(relative path)[..16] in hex, xx = its first byte
+//!     data/xx/HASH       complete files; HASH = sha256(relative path, 0, identity)[..16] in
+//!                        hex (the identity: see `CacheDir::path_for`), xx = its first byte
 //! ```
 //! CACHE is refused unless nobody but its owner (the daemon's user) could have put anything
 //! there or could swap it: stagefs runs as root on shared nodes, and a planted file must never
 //! be served nor a planted link followed. Every file inside is opened without following links.
 //!
 //! A file appears under `data/` only by `rename` after it was copied in full and checked
-//! against the catalog (size, and the source's mtime before and after the copy); it carries
-//! the source's mtime and, in the `user.stagefs.sum` attribute, the checksum of the bytes
-//! copied. So a crash leaves at worst a temporary file, never a partial file that is served,
-//! and a remount reuses a cached file only if its size and mtime still match SOURCE and its
-//! bytes still match the checksum (checked when it is first opened).
+//! against the catalog (the source file's inode, ctime, size and mtime, after the copy); it
+//! carries the source's mtime and, in the `user.stagefs.sum` attribute, the checksum of the
+//! bytes copied. So a crash leaves at worst a temporary file, never a partial file that is
+//! served, and a remount reuses a cached file only if it is a copy of the file's current
+//! version (its name says which) and its bytes still match the checksum (checked when it is
+//! first opened).
 
 use std::collections::HashSet;
 use std::ffi::{CStr, OsString};
@@ -512,7 +514,7 @@ impl CacheDir {
         open_nofollow(&self.path_for(catalog, file))
     }
 
-    /// Opens the cached copy of `relative` that a previous mount left, after checking its
+    /// Opens the cached copy of `file` that a previous mount left, after checking its
     /// bytes against the checksum recorded when it was staged. Reads the whole file: call it
     /// without holding locks others wait on.
     pub fn open_verified(&self, catalog: &Catalog, file: FileId) -> Result<File, CacheError> {

@@ -30,7 +30,7 @@ use crate::catalog::{
 use crate::fs::{MountedDataset, StageFs};
 use crate::order::SamplerConfig;
 use crate::plan::{Plan, TrackerSettings};
-use crate::stager::{LocalSource, Stager, StagerSettings};
+use crate::stager::{LocalSource, SourceRoot, Stager, StagerSettings};
 use crate::stats::Counters;
 
 /// The daemon reports readiness on this inherited file descriptor.
@@ -839,13 +839,14 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
     let counters = Arc::new(Counters::default());
     // Signals must be blocked before any thread exists so none of them takes a SIGTERM.
     blocked_signals();
-    let local_source =
-        LocalSource::new(&source).map_err(|e| format!("source {}: {e}", source.display()))?;
+    let source_root = Arc::new(
+        SourceRoot::open(&source).map_err(|e| format!("source {}: {e}", source.display()))?,
+    );
     // Held until mounted; taken before staging starts so a refused mount copies nothing.
     let claim = claim_mountpoint(&mountpoint)?;
     let stager = Stager::start(
         catalog.clone(),
-        Arc::new(local_source),
+        Arc::new(LocalSource::new(source_root.clone())),
         cache,
         plan.clone(),
         settings,
@@ -868,6 +869,7 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
         sampler_name,
         started: Instant::now(),
         passthrough_wanted: !args.no_passthrough,
+        source_root,
     });
     let fs_impl = StageFs::new(data.clone());
     let passthrough = fs_impl.passthrough_flag();

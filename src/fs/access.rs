@@ -31,7 +31,7 @@
 //! SOURCE, and a read needs a handle that only an open grants.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::catalog::FileId;
+use crate::stager::SourceRoot;
 use crate::sys;
 
 /// Credentials whose decisions are kept: a node's mount is shared by a few users at most.
@@ -60,8 +61,6 @@ pub enum Refusal {
     Credentials { pid: u32, reason: String },
     #[error("cannot take on the caller's credentials: {0}")]
     Switch(#[from] SwitchError),
-    #[error("SOURCE's root could not be opened at mount time")]
-    NoRoot,
     #[error("checking {path} on SOURCE: {source}")]
     Check { path: PathBuf, source: io::Error },
 }
@@ -263,28 +262,20 @@ pub struct Caller {
     pub pid: u32,
 }
 
-/// Decides opens: refuses the daemon's own requests, and asks SOURCE about other users'.
+/// Decides opens: asks SOURCE about other users' than the daemon's.
 pub struct Gate {
-    /// `O_PATH` fd of SOURCE's root, opened before the mount existed.
-    root: Option<OwnedFd>,
+    /// SOURCE's root, opened before the mount existed (shared with the stager).
+    root: Arc<SourceRoot>,
     euid: u32,
     pid: u32,
     decisions: Decisions,
-    /// A failed root open or credential switch is logged once, not once per open.
+    /// A failed credential switch is logged once, not once per open.
     warned: AtomicBool,
 }
 
 impl Gate {
-    /// `ids`: the catalog's size. Never fails: without SOURCE's root fd every check denies.
-    pub fn new(root: &Path, ids: usize) -> Gate {
-        let root = sys::open_directory(root)
-            .inspect_err(|e| {
-                log::error!(
-                    "cannot open SOURCE {} for permission checks ({e}); other users will be refused",
-                    root.display()
-                )
-            })
-            .ok();
+    /// `ids`: the catalog's size.
+    pub fn new(root: Arc<SourceRoot>, ids: usize) -> Gate {
         Gate {
             root,
             // SAFETY: geteuid has no preconditions.
@@ -295,14 +286,8 @@ impl Gate {
         }
     }
 
-    /// SOURCE's root, opened before the mount existed.
-    pub fn source_root(&self) -> Option<BorrowedFd<'_>> {
-        self.root.as_ref().map(|fd| fd.as_fd())
-    }
-
     /// Whether `caller` may have `id` with `mask` (`R_OK`, `X_OK`, `F_OK`): checked on SOURCE
-    /// for any user but the daemon's (whose own threads are refused by [`refuse_own_thread`]
-    /// where a request could wait).
+    /// for any user but the daemon's.
     /// `path` gives `id`'s path relative to SOURCE, computed only when SOURCE is asked.
     pub fn check(
         &self,
@@ -319,7 +304,6 @@ impl Gate {
         if cacheable && let Some(allowed) = self.decisions.get(&cred, id) {
             return allowed.then_some(()).ok_or(Refusal::Denied(cred.uid));
         }
-        let root = self.root.as_ref().ok_or(Refusal::NoRoot)?;
         let relative = path();
         let result = {
             let _as_caller = AsCaller::enter(&cred).inspect_err(|e| {
@@ -327,7 +311,7 @@ impl Gate {
                     log::error!("{e}: other users will be refused");
                 }
             })?;
-            check_on_source(root, &relative, mask)
+            self.root.with(|fd| check_on_source(fd, &relative, mask))
         };
         match result {
             Ok(()) => {
@@ -399,9 +383,9 @@ fn read_status(pid: u32) -> io::Result<Vec<u8>> {
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
 /// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
 /// stagefs mount; it checks search permission on every directory it passes.
-fn check_on_source(root: &OwnedFd, relative: &Path, mask: i32) -> io::Result<()> {
+fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Result<()> {
     let file = sys::openat2(
-        root.as_fd(),
+        root,
         relative,
         libc::O_PATH,
         libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
@@ -537,6 +521,7 @@ fn groups_now() -> Result<Vec<u32>, SwitchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
 
     const STATUS: &[u8] =
         b"Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4242\nNgid:\t0\n\
@@ -694,16 +679,16 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
                 while !main_sees.load(Ordering::SeqCst) {
                     std::thread::yield_now();
                 }
-                let e = check_on_source(&root, Path::new("secret"), libc::R_OK).unwrap_err();
+                let e = check_on_source(root.as_fd(), Path::new("secret"), libc::R_OK).unwrap_err();
                 assert_eq!(e.raw_os_error(), Some(libc::EACCES));
-                check_on_source(&root, Path::new(""), libc::R_OK | libc::X_OK).unwrap();
+                check_on_source(root.as_fd(), Path::new(""), libc::R_OK | libc::X_OK).unwrap();
                 drop(guard);
                 assert_eq!(
                     (fsuid_now(), groups_now().unwrap()),
                     (before_uid, before_groups.clone())
                 );
                 let _as_member = AsCaller::enter(&in_group_0).unwrap();
-                check_on_source(&root, Path::new("secret"), libc::R_OK).unwrap();
+                check_on_source(root.as_fd(), Path::new("secret"), libc::R_OK).unwrap();
             });
             while !switched.load(Ordering::SeqCst) {
                 std::thread::yield_now();

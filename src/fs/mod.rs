@@ -33,7 +33,7 @@ use fuser::{
 };
 
 use crate::catalog::{Catalog, Entry, FileId, Kind};
-use crate::stager::{Opened, Stager};
+use crate::stager::{Opened, SourceRoot, Stager};
 use crate::stats::{Counters, Snapshot};
 use access::{Caller, Gate};
 
@@ -50,6 +50,9 @@ pub struct MountedDataset {
     pub started: Instant,
     /// Whether cached files may be handed to the kernel (`--no-passthrough` clears it).
     pub passthrough_wanted: bool,
+    /// SOURCE's root, opened before mounting (so it can never lead into the mount): what
+    /// permission checks, attributes and statfs are resolved beneath, as the stager's copies.
+    pub source_root: Arc<SourceRoot>,
 }
 
 struct Handle {
@@ -87,10 +90,8 @@ pub struct StageFs {
 }
 
 impl StageFs {
-    /// Opens SOURCE's root for permission checks: called before mounting, so that fd can
-    /// never lead into the mount.
     pub fn new(data: Arc<MountedDataset>) -> StageFs {
-        let gate = Gate::new(data.catalog.root_path(), data.catalog.len());
+        let gate = Gate::new(data.source_root.clone(), data.catalog.len());
         StageFs {
             gate,
             data,
@@ -532,15 +533,18 @@ impl Filesystem for StageFs {
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         // Through the root fd opened before mounting: SOURCE's path, if replaced by a link
         // into the mount, would have this thread wait on the mount itself.
-        let Some(root) = self.gate.source_root() else {
+        let stat = self.data.source_root.with(|root| {
+            // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
+            let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid fd and out pointer.
+            match unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } {
+                0 => Ok(st),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+        let Ok(st) = stat else {
             return reply.error(Errno::EIO);
         };
-        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid fd and out pointer.
-        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } != 0 {
-            return reply.error(Errno::EIO);
-        }
         reply.statfs(
             st.f_blocks,
             st.f_bfree,

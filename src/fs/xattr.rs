@@ -221,17 +221,22 @@ fn source_node(fs: &StageFs, id: FileId) -> Result<SourceNode, i32> {
     if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
         return Err(libc::ENODATA);
     }
-    let root = fs.gate.source_root().ok_or(libc::EIO)?;
-    let fd = crate::sys::openat2(
-        root,
-        &catalog.relative_path(id),
-        libc::O_PATH | libc::O_NOFOLLOW,
-        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
-    )
-    .map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) => libc::ENOENT,
-        _ => libc::ESTALE,
-    })?;
+    let relative = catalog.relative_path(id);
+    let fd = fs
+        .data
+        .source_root
+        .with(|root| {
+            crate::sys::openat2(
+                root,
+                &relative,
+                libc::O_PATH | libc::O_NOFOLLOW,
+                libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+            )
+        })
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) => libc::ENOENT,
+            _ => libc::ESTALE,
+        })?;
     let path = c_path(std::path::Path::new(&format!(
         "/proc/self/fd/{}",
         fd.as_raw_fd()

@@ -42,7 +42,7 @@ use crate::catalog::{Catalog, FileId};
 use crate::plan::{Plan, Position, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use backoff::Backoff;
-pub use source::{LocalSource, Source, SourceError};
+pub use source::{LocalSource, Source, SourceError, SourceRoot};
 use space::Space;
 use unverified::Unverified;
 use waiters::Waiters;

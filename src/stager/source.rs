@@ -15,7 +15,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -32,44 +32,62 @@ pub trait Source: Send + Sync {
     fn open(&self, relative: &Path) -> io::Result<File>;
 }
 
-/// The real thing: files opened on the mounted parallel file system, beneath a descriptor of
-/// its root taken at mount time (so a root swapped later for a link is not followed either).
-pub struct LocalSource {
+/// SOURCE's root directory, held open from mount time: everything the daemon reads on SOURCE
+/// (copies, permission checks, attributes, statfs) is reached beneath this descriptor, never
+/// through a root swapped later for a link. One per mount, shared by the stager and the FUSE
+/// layer.
+pub struct SourceRoot {
     path: PathBuf,
-    root: RwLock<Arc<OwnedFd>>,
+    fd: RwLock<Arc<OwnedFd>>,
 }
 
-impl LocalSource {
-    pub fn new(root: &Path) -> io::Result<LocalSource> {
-        Ok(LocalSource {
-            path: root.to_path_buf(),
-            root: RwLock::new(Arc::new(sys::open_directory(root)?)),
+impl SourceRoot {
+    pub fn open(path: &Path) -> io::Result<SourceRoot> {
+        Ok(SourceRoot {
+            path: path.to_path_buf(),
+            fd: RwLock::new(Arc::new(sys::open_directory(path)?)),
         })
     }
-}
 
-impl Source for LocalSource {
-    fn open(&self, relative: &Path) -> io::Result<File> {
-        let root = self.root.read().clone();
-        match open_beneath(&root, relative) {
-            // The file system's client was restarted or remounted (a crashed GlusterFS
-            // client, an NFS failover): the old root descriptor will never work again, the
-            // path may. What is found there is checked like any file.
+    /// Runs `op` on the root descriptor. If the file system's client was restarted or
+    /// remounted (a crashed GlusterFS client, an NFS failover: ENOTCONN / ESTALE), the old
+    /// descriptor will never work again but the path may: `op` runs once more on a fresh one.
+    /// What is found there is checked like anything else.
+    pub fn with<T>(&self, op: impl Fn(BorrowedFd<'_>) -> io::Result<T>) -> io::Result<T> {
+        let fd = self.fd.read().clone();
+        match op(fd.as_fd()) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ESTALE)) => {
                 let fresh = Arc::new(sys::open_directory(&self.path).map_err(|_| e)?);
-                *self.root.write() = fresh.clone();
-                open_beneath(&fresh, relative)
+                *self.fd.write() = fresh.clone();
+                op(fresh.as_fd())
             }
             other => other,
         }
     }
 }
 
+/// The real thing: files opened on the mounted parallel file system, beneath its root.
+pub struct LocalSource {
+    root: Arc<SourceRoot>,
+}
+
+impl LocalSource {
+    pub fn new(root: Arc<SourceRoot>) -> LocalSource {
+        LocalSource { root }
+    }
+}
+
+impl Source for LocalSource {
+    fn open(&self, relative: &Path) -> io::Result<File> {
+        self.root.with(|fd| open_beneath(fd, relative))
+    }
+}
+
 /// openat2 with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`: the kernel itself refuses any
 /// symlink, `..` above the root, or magic link on the way (ELOOP / EXDEV).
-fn open_beneath(root: &OwnedFd, relative: &Path) -> io::Result<File> {
+fn open_beneath(root: BorrowedFd<'_>, relative: &Path) -> io::Result<File> {
     let opened = sys::openat2(
-        root.as_fd(),
+        root,
         relative,
         libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW,
         libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
@@ -84,7 +102,7 @@ fn open_beneath(root: &OwnedFd, relative: &Path) -> io::Result<File> {
 
 /// What [`open_beneath`] does, for kernels without openat2: each component opened with
 /// `O_NOFOLLOW` relative to the previous one, so no symlink is followed anywhere.
-fn open_walking(root: &OwnedFd, relative: &Path) -> io::Result<File> {
+fn open_walking(root: BorrowedFd<'_>, relative: &Path) -> io::Result<File> {
     let mut components = relative.components().peekable();
     // SAFETY: dup of a descriptor we own; the copy is owned by `dir` below.
     let first = unsafe { libc::fcntl(root.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
@@ -207,7 +225,7 @@ mod tests {
     }
 
     fn errno_of(root: &Path, catalog: &Catalog, rel: &str) -> Result<Vec<u8>, i32> {
-        let source = LocalSource::new(root).unwrap();
+        let source = LocalSource::new(Arc::new(SourceRoot::open(root).unwrap()));
         let id = catalog.lookup_path(Path::new(rel)).unwrap();
         open_verified(&source, catalog, id)
             .map(|mut f| {
@@ -275,9 +293,9 @@ mod tests {
         symlink("real", tmp.path().join("link")).unwrap();
         symlink("x", tmp.path().join("real/y")).unwrap();
         let root = sys::open_directory(tmp.path()).unwrap();
-        assert!(open_walking(&root, Path::new("real/x")).is_ok());
+        assert!(open_walking(root.as_fd(), Path::new("real/x")).is_ok());
         for rel in ["link/x", "real/y", "../x"] {
-            let err = open_walking(&root, Path::new(rel)).unwrap_err();
+            let err = open_walking(root.as_fd(), Path::new(rel)).unwrap_err();
             assert!(
                 matches!(
                     err.raw_os_error(),

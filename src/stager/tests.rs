@@ -33,7 +33,7 @@ struct FlakySource {
 impl FlakySource {
     fn new(root: &Path) -> FlakySource {
         FlakySource {
-            real: LocalSource::new(root).unwrap(),
+            real: LocalSource::new(Arc::new(SourceRoot::open(root).unwrap())),
             failing: Mutex::default(),
             broken: AtomicBool::default(),
             delay_ms: AtomicU64::default(),
