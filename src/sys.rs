@@ -16,6 +16,12 @@ struct OpenHow {
     resolve: u64,
 }
 
+/// The process's effective user id.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// `path` as a C string; a path with a NUL byte cannot name a file (EINVAL).
 pub fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())

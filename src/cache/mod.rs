@@ -40,6 +40,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::catalog::{Catalog, Entry, FileId};
+use crate::sys::euid;
 
 /// stagefs's own directory inside CACHE: everything it writes lives there, so a directory
 /// it did not create is never emptied or chmod'ed.
@@ -221,11 +222,6 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
         path: path.to_path_buf(),
         source,
     }
-}
-
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
 }
 
 /// Opens an existing file in the cache for reading; a symbolic link is an error (ELOOP).

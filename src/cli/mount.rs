@@ -403,8 +403,7 @@ fn init_logging(args: &MountArgs, detached: bool) -> Result<(), String> {
                 path.display()
             ));
         }
-        // SAFETY: geteuid has no preconditions.
-        if meta.uid() != unsafe { libc::geteuid() } {
+        if meta.uid() != crate::sys::euid() {
             return Err(format!(
                 "log file {} belongs to another user (uid {}), who could read what the daemon logs; give a file of your own",
                 path.display(),
@@ -589,8 +588,7 @@ fn check_fuse_available() -> Result<(), String> {
             "cannot open /dev/fuse ({e}): load the fuse module (`modprobe fuse`) or, in a container, pass the device (--device /dev/fuse)"
         ));
     }
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = crate::sys::euid() == 0;
     if !root && which("fusermount3").is_none() {
         return Err("fusermount3 not found: install FUSE 3 (`apt-get install fuse3` or `dnf install fuse3`)".into());
     }
@@ -711,8 +709,7 @@ fn check_metrics_file(path: &Path) -> Result<(), String> {
                 "is not a regular file (a link, FIFO or device); give a new file name".into(),
             ));
         }
-        // SAFETY: geteuid has no preconditions.
-        Ok(m) if m.uid() != unsafe { libc::geteuid() } => {
+        Ok(m) if m.uid() != crate::sys::euid() => {
             return Err(fail(format!(
                 "belongs to another user (uid {}); give a file of your own",
                 m.uid()

@@ -102,8 +102,7 @@ fn wait_exit(pid: i32) {
 
 fn detach(mp: &Path, mount: &MountEntry, dead: bool) -> Result<(), String> {
     let mut last_error = String::new();
-    // SAFETY: no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = crate::sys::euid() == 0;
     // As root, umount(8) also drops the mount's line from libmount's utab (fstab mounts made
     // with the mount helper have one); otherwise fusermount3 is what may unmount.
     let helpers: &[(&str, &[&str])] = if root && !dead {

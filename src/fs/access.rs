@@ -278,8 +278,7 @@ impl Gate {
     pub fn new(root: Arc<SourceRoot>, ids: usize) -> Gate {
         Gate {
             root,
-            // SAFETY: geteuid has no preconditions.
-            euid: unsafe { libc::geteuid() },
+            euid: crate::sys::euid(),
             pid: std::process::id(),
             decisions: Decisions::new(ids),
             warned: AtomicBool::new(false),
@@ -651,8 +650,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
     /// then answers for the caller, and everything is restored.
     #[test]
     fn switch_is_per_thread_and_restored() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if crate::sys::euid() != 0 {
             eprintln!("skipped: needs root");
             return;
         }

@@ -217,8 +217,7 @@ impl StageFs {
 impl Filesystem for StageFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let kernel_can = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH);
-        // SAFETY: geteuid has no preconditions.
-        let privileged = unsafe { libc::geteuid() } == 0;
+        let privileged = crate::sys::euid() == 0;
         let use_it = self.data.passthrough_wanted && kernel_can && privileged;
         if use_it
             && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
