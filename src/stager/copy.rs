@@ -31,7 +31,7 @@ impl Inner {
             if self.shutdown.load(Ordering::SeqCst) {
                 return;
             }
-            let mut deferred = Deferred::default();
+            let mut deferred = Deferred::new();
             match self.next_job(&mut st, &mut deferred) {
                 Some(job) => {
                     if !st.urgent.is_empty() || self.copy_due(&mut st) {
@@ -99,7 +99,7 @@ impl Inner {
         st.space.reserved = st.space.reserved.saturating_sub(size);
         let waiters = st.waiters.take(file);
         let had_waiters = !waiters.is_empty();
-        let mut deferred = Deferred::default();
+        let mut deferred = Deferred::new();
         /// How the waiting readers are answered, once the lock is released.
         enum Then {
             Cache,
@@ -201,7 +201,7 @@ impl Inner {
                 Then::Source => Answer::FromSource(file),
                 Then::Fail(errno) => Answer::Done(Err(errno)),
             };
-            deferred.replies.push((w.reply, answer));
+            deferred.push((w.reply, answer));
         }
         // No wake-up here: the worker that completed looks for the next job itself.
         deferred

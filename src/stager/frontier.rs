@@ -27,7 +27,7 @@ impl Inner {
                         &self.counters.stall_nanos,
                         w.since.elapsed().as_nanos() as u64,
                     );
-                    deferred.replies.push((w.reply, Answer::FromSource(file)));
+                    deferred.push((w.reply, Answer::FromSource(file)));
                 }
                 continue;
             }

@@ -190,16 +190,7 @@ enum Answer {
 }
 
 /// Replies decided under the state lock and sent once it is released.
-#[derive(Default)]
-struct Deferred {
-    replies: Vec<(OpenCallback, Answer)>,
-}
-
-impl Deferred {
-    fn is_empty(&self) -> bool {
-        self.replies.is_empty()
-    }
-}
+type Deferred = Vec<(OpenCallback, Answer)>;
 
 impl Stager {
     pub fn start(
@@ -374,7 +365,7 @@ impl Inner {
 
     /// Sends the replies decided while the state lock was held; call it without the lock.
     fn finish(&self, deferred: Deferred) {
-        for (reply, answer) in deferred.replies {
+        for (reply, answer) in deferred {
             reply(match answer {
                 Answer::Done(result) => result,
                 Answer::FromCache(file) => self

@@ -56,7 +56,7 @@ impl Inner {
     pub(super) fn sweeper(self: Arc<Self>) {
         while !self.shutdown.load(Ordering::SeqCst) {
             std::thread::sleep(SWEEP_INTERVAL);
-            let mut deferred = Deferred::default();
+            let mut deferred = Deferred::new();
             // statvfs is I/O on the cache file system: asked before taking the lock, and only
             // while the capacity is lowered.
             let lowered = self.state.lock().space.is_lowered();
@@ -79,9 +79,7 @@ impl Inner {
                         &self.counters.stall_nanos,
                         now.saturating_duration_since(w.since).as_nanos() as u64,
                     );
-                    deferred
-                        .replies
-                        .push((w.reply, Answer::Done(Err(OpenError::Io))));
+                    deferred.push((w.reply, Answer::Done(Err(OpenError::Io))));
                 }
                 if let Some(free) = free
                     && st.space.regrow(free)
