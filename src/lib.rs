@@ -14,6 +14,7 @@
 pub mod cache;
 pub mod catalog;
 pub mod cli;
+pub mod control;
 pub mod fs;
 pub mod input;
 pub mod order;

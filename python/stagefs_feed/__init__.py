@@ -1,0 +1,343 @@
+"""stagefs feed hook: a PyTorch job announces the order its samplers drew to stagefs.
+
+Once installed (``eval "$(stagefs feed-env)"``, or ``import stagefs_feed;
+stagefs_feed.install()``), every ``torch.utils.data.DataLoader`` epoch does this in the
+process that iterates the loader (the main process; workers only fetch):
+
+1. at the first batch, the sampler (or batch sampler) is iterated as far as it is long, once,
+   exactly as the loader would; the loader then gets exactly those indices, followed by
+   whatever the sampler yields beyond its length;
+2. the indices are announced to the stagefs mount holding the dataset's files, as file paths
+   when the dataset exposes them (``samples``/``imgs`` of ImageFolder and DatasetFolder, a list
+   of paths in ``files``/``paths``, through ``Subset`` and ``ConcatDataset``), else as sample
+   indices for the mount's ``--layout`` (the mount named by ``STAGEFS_FEED_MOUNT``);
+3. where the next epoch's order can be computed without touching the job's random state (a
+   sampler with ``set_epoch``, as DistributedSampler), it is announced too, so staging crosses
+   the epoch boundary without waiting.
+
+The job's random number generators are consumed exactly as without the hook: the sampler is
+iterated once, at the moment the loader would have started it, and the look-ahead runs on a
+copy with every generator's state put back afterwards. Anything that goes wrong (no mount,
+the daemon gone or refusing, a dataset without usable paths) costs one warning line on stderr
+and nothing else: the job runs on unchanged.
+"""
+
+import copy
+import itertools
+import os
+import random
+import sys
+import threading
+
+from .channel import Channel, ChannelError, mount_of
+
+__all__ = ["install", "installed"]
+
+_MODULE = "torch.utils.data.dataloader"
+_lock = threading.Lock()
+_installed = False
+_warned = set()
+# mountpoint -> Channel (one connection per process and mount)
+_channels = {}
+# mountpoint -> how many epochs this process announced there: the epoch number the daemon
+# files an announcement under, the same on every rank as long as ranks iterate alike.
+_epochs = {}
+# id(dataset) -> (dataset, target); the dataset is kept so its id is never reused.
+_targets = {}
+
+
+def _warn(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        print(f"stagefs-feed: warning: {message}; the job goes on unchanged", file=sys.stderr)
+
+
+def installed():
+    return _installed
+
+
+def install():
+    """Hooks DataLoader iteration now, or when torch's DataLoader is first imported."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    module = sys.modules.get(_MODULE)
+    if module is not None:
+        _patch(module)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport:
+    """Finds torch's dataloader module with the other finders and patches it once loaded,
+    so installing the hook costs nothing in a process that never imports torch."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _MODULE:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _patch(module):
+    base = module._BaseDataLoaderIter
+    if getattr(base, "_stagefs_feed", False):
+        return
+    original_init, original_reset = base.__init__, base._reset
+
+    def __init__(self, loader, *args, **kwargs):
+        original_init(self, loader, *args, **kwargs)
+        _wrap(self, loader)
+
+    def _reset(self, loader, *args, **kwargs):
+        original_reset(self, loader, *args, **kwargs)
+        _wrap(self, loader)
+
+    base.__init__, base._reset = __init__, _reset
+    base._stagefs_feed = True
+
+
+def _wrap(loader_iter, loader):
+    # The loader makes its sampler iterator in __init__ and again in _reset (the
+    # multi-process iterator calls both); only the one it draws from is ever primed.
+    it = loader_iter._sampler_iter
+    if it is not None and not isinstance(it, _AnnouncingIterator):
+        loader_iter._sampler_iter = _AnnouncingIterator(it, loader)
+
+
+class _AnnouncingIterator:
+    """The loader's sampler iterator, primed (and announced) at the first index drawn."""
+
+    def __init__(self, it, loader):
+        self._it = it
+        self._loader = loader
+        self._primed = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._primed:
+            self._primed = True
+            self._prime()
+        return next(self._it)
+
+    def _prime(self):
+        sampler = self._loader._index_sampler
+        try:
+            length = len(sampler)
+        except TypeError:
+            return  # unsized (an infinite sampler): nothing to announce
+        drawn = list(itertools.islice(self._it, length))
+        self._it = itertools.chain(drawn, self._it)
+        try:
+            _announce(self._loader, sampler, drawn)
+        except Exception as e:  # the job must never fail because of the hook
+            _warn(("announce", type(e).__name__), f"cannot announce the order to stagefs: {e}")
+
+
+def _flatten(drawn, batched):
+    if not batched:
+        return [int(i) for i in drawn]
+    return [int(i) for batch in drawn for i in batch]
+
+
+def _rank():
+    """(rank, world size) of this process in the job."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank_var in os.environ and world_var in os.environ:
+            try:
+                return int(os.environ[rank_var]), int(os.environ[world_var])
+            except ValueError:
+                pass
+    return 0, 1
+
+
+def _announce(loader, sampler, drawn):
+    target = _target_of(loader.dataset)
+    if target is None:
+        return
+    mountpoint, paths = target
+    channel = _channels[mountpoint]
+    batched = loader._auto_collation
+    indices = _flatten(drawn, batched)
+    rank, world = _rank()
+    with _lock:
+        epoch = _epochs.get(mountpoint, 0)
+        _epochs[mountpoint] = epoch + 1
+    try:
+        channel.connect()
+        dataset = _register(channel, loader.dataset, paths) if paths is not None else None
+        _send_order(channel, dataset, epoch, rank, world, indices, current=True)
+        ahead = _next_epoch_indices(sampler, batched)
+        if ahead is not None:
+            _send_order(channel, dataset, epoch + 1, rank, world, ahead, current=False)
+    except ChannelError as e:
+        _warn(("channel", mountpoint, str(e)), str(e))
+
+
+def _send_order(channel, dataset, epoch, rank, world, indices, current):
+    message = {
+        "op": "order",
+        "epoch": epoch,
+        "rank": rank,
+        "world_size": world,
+        "current": current,
+        "indices": indices,
+    }
+    if dataset is not None:
+        message["dataset"] = dataset
+    channel.request(message)
+
+
+def _register(channel, dataset, paths):
+    """The daemon's handle for `dataset`'s file list on this connection."""
+    handle = channel.datasets.get(id(dataset))
+    if handle is None:
+        handle = channel.request({"op": "dataset", "paths": paths})["dataset"]
+        channel.datasets[id(dataset)] = handle
+    return handle
+
+
+def _dataset_paths(dataset):
+    """The file each index of `dataset` reads, if the dataset says; else None."""
+    try:
+        from torch.utils.data import ConcatDataset, Subset
+    except ImportError:  # pragma: no cover - torch is what calls us
+        return None
+    if isinstance(dataset, Subset):
+        inner = _dataset_paths(dataset.dataset)
+        return None if inner is None else [inner[int(i)] for i in dataset.indices]
+    if isinstance(dataset, ConcatDataset):
+        parts = [_dataset_paths(d) for d in dataset.datasets]
+        return None if any(p is None for p in parts) else [p for part in parts for p in part]
+    for name in ("samples", "imgs"):
+        items = getattr(dataset, name, None)
+        if isinstance(items, list) and items and isinstance(items[0], tuple):
+            return [os.fspath(item[0]) for item in items]
+    for name in ("files", "paths", "file_paths", "image_paths"):
+        items = getattr(dataset, name, None)
+        if isinstance(items, list) and items and isinstance(items[0], (str, os.PathLike)):
+            return [os.fspath(item) for item in items]
+    return None
+
+
+def _target_of(dataset):
+    """(mountpoint, paths relative to it or None) for `dataset`, or None if no stagefs mount
+    holds it. Looked up once per dataset."""
+    key = id(dataset)
+    if key in _targets:
+        return _targets[key][1]
+    target = None
+    paths = _dataset_paths(dataset)
+    if paths:
+        found = mount_of(paths[0])
+        if found is not None:
+            mountpoint, address = found
+            prefix = mountpoint.rstrip("/") + "/"
+            relative = [
+                p[len(prefix):] if p.startswith(prefix) else None
+                for p in (os.path.abspath(p) for p in paths)
+            ]
+            target = (mountpoint, relative)
+    elif os.environ.get("STAGEFS_FEED_MOUNT"):
+        found = mount_of(os.environ["STAGEFS_FEED_MOUNT"])
+        if found is None:
+            _warn(("mount", os.environ["STAGEFS_FEED_MOUNT"]),
+                  f"STAGEFS_FEED_MOUNT={os.environ['STAGEFS_FEED_MOUNT']} is not a stagefs mount")
+        else:
+            mountpoint, address = found
+            target = (mountpoint, None)
+    if target is not None:
+        with _lock:
+            if target[0] not in _channels:
+                _channels[target[0]] = Channel(target[0], found[1])
+    _targets[key] = (dataset, target)
+    return target
+
+
+def _generators(obj, depth=0):
+    """torch Generators reachable from a sampler through the usual attribute names."""
+    import torch
+
+    found = []
+    if depth > 3 or obj is None:
+        return found
+    gen = getattr(obj, "generator", None)
+    if isinstance(gen, torch.Generator):
+        found.append(gen)
+    for name in ("sampler", "batch_sampler", "_sampler"):
+        inner = getattr(obj, name, None)
+        if inner is not None and inner is not obj:
+            found += _generators(inner, depth + 1)
+    return found
+
+
+class _RandomStateKept:
+    """Puts back every random state a look-ahead may touch: the global torch, numpy and
+    Python generators and the samplers' own generators."""
+
+    def __init__(self, sampler):
+        self._sampler = sampler
+
+    def __enter__(self):
+        import torch
+
+        self._torch = torch.get_rng_state()
+        self._python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self._numpy = (numpy, numpy.random.get_state()) if numpy is not None else None
+        self._generators = [(g, g.get_state()) for g in _generators(self._sampler)]
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.set_rng_state(self._torch)
+        random.setstate(self._python)
+        if self._numpy is not None:
+            numpy, state = self._numpy
+            numpy.random.set_state(state)
+        for gen, state in self._generators:
+            gen.set_state(state)
+        return False
+
+
+def _next_epoch_indices(sampler, batched):
+    """The next epoch's indices if the sampler is epoch-driven (``set_epoch``), computed on a
+    copy with all random state put back; else None."""
+    holder, outer = sampler, None
+    if not (hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int)):
+        holder, outer = getattr(sampler, "sampler", None), sampler
+        if not (hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int)):
+            return None
+    ahead = copy.copy(holder)
+    ahead.set_epoch(holder.epoch + 1)
+    if outer is not None:
+        outer = copy.copy(outer)
+        outer.sampler = ahead
+        ahead = outer
+    with _RandomStateKept(sampler):
+        length = len(ahead)
+        drawn = list(itertools.islice(iter(ahead), length))
+    return _flatten(drawn, batched)

@@ -1,0 +1,259 @@
+//! The mount's control channel: a Unix socket on which a running daemon takes orders from the
+//! job (the feed hook announcing its sampler's order) and from `stagefs epoch`.
+//!
+//! The socket is abstract (Linux's socket namespace, no file): on an `--allow-other` mount the
+//! job's users must reach it, and a socket file inside the private cache directory could not
+//! be reached by them; in a shared directory it could be replaced. Its name is random and
+//! published only through the mount (`user.stagefs.control` on the root), so a client finds
+//! the daemon of the mount it reads, never a look-alike. Who may talk is decided per
+//! connection from the peer's kernel-checked credentials (SO_PEERCRED), before a byte is read.
+//!
+//! Messages are JSON lines, each answered by one line: `{"ok":true,...}` or
+//! `{"ok":false,"error":"..."}`. A malformed or refused request changes nothing.
+
+mod protocol;
+
+pub use protocol::{Reply, Request};
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Longest request line: an announcement of ~10 M indices, or the paths of ~4 M files, in
+/// JSON. Larger datasets announce indices through the mount's layout instead of paths.
+pub const MAX_REQUEST_BYTES: u64 = 256 << 20;
+/// Connections served at once: every rank of a node plus a few `stagefs` commands.
+const MAX_CONNECTIONS: usize = 64;
+/// A client that stops sending mid-request is dropped after this long.
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often the accept loop checks for shutdown.
+const ACCEPT_POLL: Duration = Duration::from_millis(200);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot create the control socket: {0}")]
+    Bind(io::Error),
+}
+
+/// Who is on the other end of a connection, as the kernel reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub pid: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// What serves the requests of one connection (its state, e.g. registered datasets, lives as
+/// long as the connection).
+pub trait Session: Send {
+    fn handle(&mut self, request: Request) -> Result<Reply, String>;
+}
+
+/// The daemon's side: who may connect, and a session for each connection admitted.
+pub trait Service: Send + Sync + 'static {
+    /// Why `peer` may not use this mount, if it may not.
+    fn refuse(&self, peer: Peer) -> Option<String>;
+    fn session(&self, peer: Peer) -> Box<dyn Session>;
+}
+
+/// The listening socket and its accept thread; dropped, it stops accepting.
+pub struct ControlServer {
+    address: String,
+    shutdown: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Binds a fresh abstract socket and serves it on a thread named `control`.
+    pub fn start(service: Arc<dyn Service>) -> Result<ControlServer, ControlError> {
+        let (listener, address) = bind_random()?;
+        listener.set_nonblocking(true).map_err(ControlError::Bind)?;
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let stop = shutdown.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || accept_loop(listener, service, stop))
+            .map_err(ControlError::Bind)?;
+        Ok(ControlServer {
+            address,
+            shutdown,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address clients connect to, `@` standing for the abstract namespace's NUL.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A random name no one can have bound in advance to intercept clients (they learn the name
+/// from the mount), retried on the unlikely collision.
+fn bind_random() -> Result<(UnixListener, String), ControlError> {
+    let mut last = None;
+    for _ in 0..8 {
+        let mut random = [0u8; 12];
+        getrandom(&mut random).map_err(ControlError::Bind)?;
+        let name: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("stagefs/{}/{name}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(ControlError::Bind)?;
+        match UnixListener::bind_addr(&addr) {
+            Ok(l) => return Ok((l, format!("@{name}"))),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(ControlError::Bind(last.expect("tried at least once")))
+}
+
+fn getrandom(buf: &mut [u8]) -> io::Result<()> {
+    let mut file = std::fs::File::open("/dev/urandom")?;
+    file.read_exact(buf)
+}
+
+fn accept_loop(listener: UnixListener, service: Arc<dyn Service>, shutdown: Arc<AtomicBool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    while !shutdown.load(Ordering::SeqCst) {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+            Err(e) => {
+                log::warn!("control socket: {e}");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        };
+        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+            refuse(stream, "too many connections to this mount; try again");
+            continue;
+        }
+        let (service, active) = (service.clone(), active.clone());
+        active.fetch_add(1, Ordering::SeqCst);
+        let spawned = std::thread::Builder::new()
+            .name("control-conn".into())
+            .spawn(move || {
+                serve(stream, &*service);
+                active.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            log::warn!("control socket: cannot start a connection thread: {e}");
+        }
+    }
+}
+
+fn refuse(mut stream: UnixStream, why: &str) {
+    let _ = stream.set_nonblocking(false);
+    let _ = writeln!(stream, "{}", Reply::error(why).to_line());
+}
+
+/// The peer's credentials as the kernel recorded them at connect time.
+fn peer_of(stream: &UnixStream) -> io::Result<Peer> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket fd and an out buffer of the size passed.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Peer {
+        pid: cred.pid as u32,
+        uid: cred.uid,
+        gid: cred.gid,
+    })
+}
+
+fn serve(stream: UnixStream, service: &dyn Service) {
+    if stream.set_nonblocking(false).is_err()
+        || stream.set_read_timeout(Some(READ_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    let peer = match peer_of(&stream) {
+        Ok(p) => p,
+        Err(e) => return refuse(stream, &format!("cannot tell who is connecting: {e}")),
+    };
+    if let Some(why) = service.refuse(peer) {
+        log::warn!(
+            "control socket: refused pid {} (uid {}): {why}",
+            peer.pid,
+            peer.uid
+        );
+        return refuse(stream, &why);
+    }
+    let mut session = service.session(peer);
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let read = (&mut reader)
+            .take(MAX_REQUEST_BYTES + 1)
+            .read_until(b'\n', &mut line);
+        let reply = match read {
+            Ok(0) | Err(_) => return,
+            Ok(n) if n as u64 > MAX_REQUEST_BYTES => {
+                let why = format!(
+                    "request longer than {} MiB; announce indices (the mount's layout) instead of paths",
+                    MAX_REQUEST_BYTES >> 20
+                );
+                let _ = writeln!(writer, "{}", Reply::error(&why).to_line());
+                return;
+            }
+            Ok(_) => match Request::parse(&line) {
+                Ok(request) => session.handle(request).unwrap_or_else(|e| Reply::error(&e)),
+                Err(e) => Reply::error(&e),
+            },
+        };
+        if writeln!(writer, "{}", reply.to_line()).is_err() {
+            return;
+        }
+    }
+}
+
+/// Connects to the control socket at `address` (as [`ControlServer::address`] gives it), sends
+/// one request and returns the reply: what `stagefs epoch` and the tests use.
+pub fn request(address: &str, request: &serde_json::Value) -> io::Result<serde_json::Value> {
+    let addr = match address.strip_prefix('@') {
+        Some(name) => SocketAddr::from_abstract_name(name.as_bytes())?,
+        None => SocketAddr::from_pathname(address)?,
+    };
+    let mut stream = UnixStream::connect_addr(&addr)?;
+    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    writeln!(stream, "{request}")?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    serde_json::from_str(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,113 @@
+//! The control channel's messages: what a client may ask, parsed strictly (an unknown field is
+//! an error, not ignored, so a typo never passes as a no-op), and the replies.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// One request line.
+#[derive(Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Registers a dataset's files, index by index, as paths relative to the mount's root
+    /// (`null` for an index whose file is not on this mount). Answered with a handle that
+    /// [`Request::Order`] names for the rest of the connection.
+    Dataset { paths: Vec<Option<String>> },
+    /// The order rank `rank` of `world_size` reads in `epoch`: indices into a registered
+    /// dataset, or without one, sample indices of the mount's layout. `current`: the rank is
+    /// starting that epoch now (otherwise it is the next one, announced ahead).
+    Order {
+        epoch: u64,
+        rank: u32,
+        world_size: u32,
+        current: bool,
+        #[serde(default)]
+        dataset: Option<u64>,
+        indices: Vec<u64>,
+    },
+    /// The job (re)starts at `epoch` (`stagefs epoch`).
+    Epoch { epoch: u64 },
+}
+
+impl Request {
+    pub fn parse(line: &[u8]) -> Result<Request, String> {
+        serde_json::from_slice(line).map_err(|e| format!("not a valid request: {e}"))
+    }
+}
+
+/// One reply line: `{"ok": true, ...}` or `{"ok": false, "error": "..."}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply(Map<String, Value>);
+
+impl Reply {
+    pub fn ok() -> Reply {
+        let mut map = Map::new();
+        map.insert("ok".into(), Value::Bool(true));
+        Reply(map)
+    }
+
+    pub fn error(why: &str) -> Reply {
+        let mut map = Map::new();
+        map.insert("ok".into(), Value::Bool(false));
+        map.insert("error".into(), Value::String(why.into()));
+        Reply(map)
+    }
+
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Reply {
+        self.0.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn to_line(&self) -> String {
+        Value::Object(self.0.clone()).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_parse_strictly() {
+        assert_eq!(
+            Request::parse(br#"{"op":"epoch","epoch":3}"#),
+            Ok(Request::Epoch { epoch: 3 })
+        );
+        let order =
+            br#"{"op":"order","epoch":1,"rank":0,"world_size":2,"current":true,"indices":[2,0]}"#;
+        assert_eq!(
+            Request::parse(order),
+            Ok(Request::Order {
+                epoch: 1,
+                rank: 0,
+                world_size: 2,
+                current: true,
+                dataset: None,
+                indices: vec![2, 0]
+            })
+        );
+        for bad in [
+            &br#"{"op":"epoch","epoch":3,"typo":1}"#[..],
+            br#"{"op":"epoch","epoch":-1}"#,
+            br#"{"op":"launch"}"#,
+            br#"{"op":"order","epoch":1}"#,
+            b"not json",
+        ] {
+            assert!(
+                Request::parse(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn replies_are_one_json_line() {
+        assert_eq!(
+            Reply::ok().with("dataset", 4).to_line(),
+            r#"{"dataset":4,"ok":true}"#
+        );
+        let err = Reply::error("no\nnewline").to_line();
+        assert!(!err.contains('\n'));
+        assert_eq!(serde_json::from_str::<Value>(&err).unwrap()["ok"], false);
+    }
+}
