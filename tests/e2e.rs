@@ -169,10 +169,31 @@ fn predicted(source: &Path, sampler: &[&str], epochs: usize, paths: bool) -> Vec
     stagefs_order(&args)
 }
 
+/// What to run: a script of tests/e2e, its own arguments, for how many epochs, with what
+/// environment on top of the test's.
+struct Launch<'a> {
+    script: &'a str,
+    args: &'a [&'a str],
+    epochs: usize,
+    env: Vec<(String, String)>,
+}
+
+impl<'a> Launch<'a> {
+    fn new(script: &'a str, args: &'a [&'a str]) -> Launch<'a> {
+        Launch {
+            script,
+            args,
+            epochs: EPOCHS,
+            env: Vec::new(),
+        }
+    }
+}
+
 /// One run of a training script, killed if it outlives the test or [`JOB_DEADLINE`].
 struct Job {
     child: Child,
     stdin: Option<ChildStdin>,
+    epochs: usize,
     name: String,
     stderr: PathBuf,
     order: PathBuf,
@@ -180,15 +201,15 @@ struct Job {
 }
 
 impl Job {
-    fn spawn(work: &Path, name: &str, script: &str, root: &Path, args: &[&str]) -> Job {
+    fn spawn(work: &Path, name: &str, launch: &Launch, root: &Path) -> Job {
         let stderr = work.join(format!("{name}.stderr"));
         let order = work.join(format!("{name}.order"));
         let mut child = Command::new(PYTHON)
-            .arg(e2e_dir().join(script))
+            .arg(e2e_dir().join(launch.script))
             .arg(root)
             .args([
                 "--epochs",
-                &EPOCHS.to_string(),
+                &launch.epochs.to_string(),
                 "--batch-size",
                 BATCH,
                 "--compute-ms",
@@ -197,9 +218,10 @@ impl Job {
             ])
             .arg("--order-out")
             .arg(&order)
-            .args(args)
+            .args(launch.args)
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .env("OMP_NUM_THREADS", "1")
+            .envs(launch.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap())
@@ -209,6 +231,7 @@ impl Job {
         Job {
             child,
             stdin,
+            epochs: launch.epochs,
             name: name.to_string(),
             stderr,
             order,
@@ -253,7 +276,7 @@ impl Job {
             self.name,
             self.started.elapsed()
         );
-        assert_eq!(lines.len(), EPOCHS, "{}: epoch lines\n{stderr}", self.name);
+        assert_eq!(lines.len(), self.epochs, "{}: epoch lines\n{stderr}", self.name);
         let order = std::fs::read_to_string(&self.order)
             .unwrap()
             .lines()
@@ -322,20 +345,20 @@ impl Observed {
     }
 }
 
-/// Runs `script` directly on `source` and through `mount` at the same time; `at_epoch_end` is
-/// called on the mounted run's epoch boundaries after the counters are read.
+/// Runs `direct` on `source` and `through` on `mount` at the same time (the same script, the
+/// latter perhaps with the feed hook); `at_epoch_end` is called on the mounted run's epoch
+/// boundaries after the counters are read.
 fn run_both(
     work: &Path,
     name: &str,
-    script: &str,
+    (direct, through): (&Launch, &Launch),
     source: &Path,
     mount: &TestMount,
-    args: &[&str],
     mut at_epoch_end: impl FnMut(usize, &TestMount),
 ) -> (Vec<Value>, Vec<String>, Observed) {
-    let direct = Job::spawn(work, &format!("{name}-direct"), script, source, args);
+    let direct = Job::spawn(work, &format!("{name}-direct"), direct, source);
     let mut stats = vec![mount.stats()];
-    let through = Job::spawn(work, &format!("{name}-stagefs"), script, &mount.mnt, args);
+    let through = Job::spawn(work, &format!("{name}-stagefs"), through, &mount.mnt);
     std::thread::scope(|s| {
         let direct = s.spawn(|| direct.finish(|_| {}));
         let (lines, order) = through.finish(|line| {
@@ -376,6 +399,7 @@ fn check_run(
     direct_order: &[String],
     seen: &Observed,
     predicted: &[String],
+    later_min: f64,
 ) {
     same_order(
         &format!("{what}: the real loader vs `stagefs order`"),
@@ -401,7 +425,7 @@ fn check_run(
             m["samples"].as_u64().unwrap(),
             "{what} epoch {e}: opens through the mount"
         );
-        let (ratio, want) = (seen.hit_ratio(e), if e == 0 { 0.95 } else { 0.999 });
+        let (ratio, want) = (seen.hit_ratio(e), if e == 0 { 0.95 } else { later_min });
         assert!(
             ratio >= want,
             "{what} epoch {e}: hit ratio {ratio:.4} < {want}; stats {}",
@@ -416,7 +440,7 @@ fn check_run(
     assert_eq!(last["errors"], 0, "{what}: errors; stats {last}");
     eprintln!(
         "{what}: hit ratio per epoch {:?}; direct wall {:?} s, through stagefs {:?} s",
-        (0..EPOCHS)
+        (0..seen.lines.len())
             .map(|e| format!("{:.4}", seen.hit_ratio(e)))
             .collect::<Vec<_>>(),
         direct
@@ -437,17 +461,17 @@ fn single_node(script: &str, sampler: &[&str], script_args: &[&str], files: u32)
     let volume = Volume::up(work.path(), 3);
     let data = Dataset::make(&volume.mnt.join("train"), files, 10);
     let mount = TestMount::new(&data.root, &work.path().join("node"), sampler);
+    let launch = Launch::new(script, script_args);
     let (direct, direct_order, seen) = run_both(
         work.path(),
         "job",
-        script,
+        (&launch, &launch),
         &data.root,
         &mount,
-        script_args,
         |_, _| {},
     );
     let predicted = predicted(&data.root, sampler, EPOCHS, false);
-    check_run(script, &direct, &direct_order, &seen, &predicted);
+    check_run(script, &direct, &direct_order, &seen, &predicted, 0.999);
     mount.unmount();
     drop(volume);
 }
@@ -573,14 +597,14 @@ fn four_nodes_each_stage_their_share_from_gluster() {
                 let (mount, data, work, ranks) = (&mounts[r], &data, work.path(), &ranks);
                 s.spawn(move || {
                     let args = ["--seed", SEED, "--world-size", "4", "--rank", &ranks[r]];
+                    let launch = Launch::new("train_distributed.py", &args);
                     let mut after_epoch0 = None;
                     let run = run_both(
                         work,
                         &format!("rank{r}"),
-                        "train_distributed.py",
+                        (&launch, &launch),
                         &data.root,
                         mount,
-                        &args,
                         |e, m| {
                             if e == 0 {
                                 after_epoch0 = Some(settled(m, data));
@@ -601,7 +625,7 @@ fn four_nodes_each_stage_their_share_from_gluster() {
     for (r, ((direct, direct_order, seen), (cached, stats))) in results.iter().enumerate() {
         let what = format!("rank {r} of {W}");
         let predicted = predicted(&data.root, &sampler(r), EPOCHS, false);
-        check_run(&what, direct, direct_order, seen, &predicted);
+        check_run(&what, direct, direct_order, seen, &predicted, 0.999);
         let share0 = &shares[r][0];
         // The node staged its epoch-0 share and, ahead, only files of its next shares: nothing
         // of the other ranks' data, and each file read from GlusterFS once.
@@ -675,4 +699,117 @@ fn four_nodes_each_stage_their_share_from_gluster() {
         m.unmount();
     }
     drop(volume);
+}
+
+/// Files in the feed tests' datasets and the cache's share of their bytes: the issue's "30%
+/// cache", so only staging in the announced order can reach the hit ratios checked.
+const FEED_FILES: u32 = 400;
+const FEED_CACHE_PERCENT: u64 = 30;
+const FEED_EPOCHS: usize = 3;
+
+/// The environment `eval "$(stagefs feed-env)"` sets, as a shell would: the hook's path in
+/// front of PYTHONPATH.
+fn feed_env() -> Vec<(String, String)> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(r#"eval "$("$0" feed-env)" && printf %s "$PYTHONPATH""#)
+        .arg(bin())
+        .env_remove("PYTHONPATH")
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success(),
+        "stagefs feed-env: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    vec![(
+        "PYTHONPATH".to_string(),
+        String::from_utf8(out.stdout).unwrap(),
+    )]
+}
+
+/// A `--sampler feed` mount with a 30% cache over a fresh dataset on GlusterFS.
+fn feed_mount(work: &Path) -> (Volume, Dataset, TestMount) {
+    let volume = Volume::up(work, 2);
+    let data = Dataset::make(&volume.mnt.join("train"), FEED_FILES, 10);
+    let cache_size = data.bytes(data.files.keys()) * FEED_CACHE_PERCENT / 100;
+    let mount = TestMount::new(
+        &data.root,
+        &work.join("node"),
+        &["--sampler", "feed", "--cache-size", &cache_size.to_string()],
+    );
+    (volume, data, mount)
+}
+
+/// An unmodified training stack (`tests/e2e/train_stacks.py --stack NAME`) no flag can
+/// predict, run with the feed hook through a 30% cache and without it directly: the same
+/// indices in the same order, with the files staged before they are opened.
+fn fed_stack(stack: &str, extra: &[&str]) {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let (volume, data, mount) = feed_mount(work.path());
+    let mut args = vec!["--stack", stack, "--seed", "5"];
+    args.extend_from_slice(extra);
+    let direct = Launch {
+        epochs: FEED_EPOCHS,
+        ..Launch::new("train_stacks.py", &args)
+    };
+    let through = Launch {
+        epochs: FEED_EPOCHS,
+        env: feed_env(),
+        ..Launch::new("train_stacks.py", &args)
+    };
+    let (lines, order, seen) = run_both(
+        work.path(),
+        stack,
+        (&direct, &through),
+        &data.root,
+        &mount,
+        |_, _| {},
+    );
+    // The prediction is the job's own: what it read directly, without the hook.
+    check_run(stack, &lines, &order, &seen, &order, 0.99);
+    let stderr = std::fs::read_to_string(work.path().join(format!("{stack}-stagefs.stderr")));
+    assert!(
+        !stderr.unwrap_or_default().contains("stagefs-feed: warning"),
+        "{stack}: the hook warned"
+    );
+    assert_eq!(seen.stats.last().unwrap()["sampler"], "feed");
+    mount.unmount();
+    drop(volume);
+}
+
+#[test]
+fn fed_global_generator_after_model_init() {
+    fed_stack("global", &[]);
+}
+
+#[test]
+fn fed_loader_generator() {
+    fed_stack("loader", &[]);
+}
+
+#[test]
+fn fed_loader_generator_with_persistent_workers() {
+    fed_stack("loader", &["--persistent"]);
+}
+
+#[test]
+fn fed_random_sampler_with_its_own_generator() {
+    fed_stack("sampler", &[]);
+}
+
+#[test]
+fn fed_weighted_random_sampler() {
+    fed_stack("weighted", &[]);
+}
+
+#[test]
+fn fed_user_defined_class_balanced_sampler() {
+    fed_stack("balanced", &[]);
+}
+
+#[test]
+fn fed_numpy_in_place_shuffle() {
+    fed_stack("numpy", &[]);
 }

@@ -139,14 +139,19 @@ class _AnnouncingIterator:
     def _prime(self):
         sampler = self._loader._index_sampler
         try:
-            length = len(sampler)
+            target = _target_of(self._loader.dataset)
+            length = len(sampler) if target is not None else None
         except TypeError:
             return  # unsized (an infinite sampler): nothing to announce
+        except Exception as e:  # the job must never fail because of the hook
+            return _warn(("target", type(e).__name__), f"cannot find the dataset's stagefs mount: {e}")
+        if target is None:
+            return  # not on a stagefs mount: the loader is left exactly as it was
         drawn = list(itertools.islice(self._it, length))
         self._it = itertools.chain(drawn, self._it)
         try:
-            _announce(self._loader, sampler, drawn)
-        except Exception as e:  # the job must never fail because of the hook
+            _announce(target, self._loader, sampler, drawn)
+        except Exception as e:
             _warn(("announce", type(e).__name__), f"cannot announce the order to stagefs: {e}")
 
 
@@ -174,10 +179,7 @@ def _rank():
     return 0, 1
 
 
-def _announce(loader, sampler, drawn):
-    target = _target_of(loader.dataset)
-    if target is None:
-        return
+def _announce(target, loader, sampler, drawn):
     mountpoint, paths = target
     channel = _channels[mountpoint]
     batched = loader._auto_collation
@@ -240,6 +242,14 @@ def _dataset_paths(dataset):
         items = getattr(dataset, name, None)
         if isinstance(items, list) and items and isinstance(items[0], (str, os.PathLike)):
             return [os.fspath(item) for item in items]
+    # A wrapper sample for sample (adding a transform, returning the index too): its files
+    # are those of the dataset it wraps.
+    inner = getattr(dataset, "dataset", None)
+    try:
+        if inner is not None and inner is not dataset and len(inner) == len(dataset):
+            return _dataset_paths(inner)
+    except TypeError:
+        pass
     return None
 
 

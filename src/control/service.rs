@@ -1,0 +1,155 @@
+//! What a mount's control channel does: who may use it, and announcements and epoch changes
+//! checked against the catalog before they reach the stager.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::{Peer, Reply, Request, Service, Session};
+use crate::catalog::{Catalog, FileId, Kind, Layout};
+use crate::stager::Stager;
+
+/// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
+/// 14 M samples), low enough that a bad client cannot make the daemon allocate without bound.
+pub const MAX_ANNOUNCED: usize = 1 << 26;
+/// Datasets one connection may register (a job has a train and a validation set, or a few).
+const MAX_DATASETS: usize = 64;
+
+/// Decides whether a user other than the mount's owner and root may use the channel.
+pub type AdmitOther = Box<dyn Fn(Peer) -> Result<(), String> + Send + Sync>;
+
+/// The running mount, as its control channel sees it.
+pub struct MountControl {
+    pub catalog: Arc<Catalog>,
+    pub layout: Arc<Layout>,
+    pub stager: Arc<Stager>,
+    /// The mount's owner: the daemon's user.
+    pub owner: u32,
+    /// For an `--allow-other` mount, whether another user may (None: nobody else).
+    pub admit_other: Option<AdmitOther>,
+}
+
+impl Service for MountControl {
+    fn refuse(&self, peer: Peer) -> Option<String> {
+        if peer.uid == 0 || peer.uid == self.owner {
+            return None;
+        }
+        match &self.admit_other {
+            Some(admit) => admit(peer).err(),
+            None => Some(format!(
+                "only the mount's owner (uid {}) and root may control it",
+                self.owner
+            )),
+        }
+    }
+
+    fn session(&self, _peer: Peer) -> Box<dyn Session> {
+        Box::new(ControlSession {
+            catalog: self.catalog.clone(),
+            layout: self.layout.clone(),
+            stager: self.stager.clone(),
+            datasets: Vec::new(),
+        })
+    }
+}
+
+struct ControlSession {
+    catalog: Arc<Catalog>,
+    layout: Arc<Layout>,
+    stager: Arc<Stager>,
+    /// Registered datasets: the file each of their indices reads, if it is on this mount.
+    datasets: Vec<Vec<Option<FileId>>>,
+}
+
+impl Session for ControlSession {
+    fn handle(&mut self, request: Request) -> Result<Reply, String> {
+        match request {
+            Request::Dataset { paths } => self.register(paths),
+            Request::Order {
+                epoch,
+                rank,
+                world_size,
+                current,
+                dataset,
+                indices,
+            } => {
+                if world_size == 0 || rank >= world_size {
+                    return Err(format!("rank {rank} is not below the world size {world_size}"));
+                }
+                let files = self.files_of(dataset, &indices)?;
+                let count = files.len();
+                self.stager.announce(epoch, rank, files, current)?;
+                Ok(Reply::ok().with("files", count))
+            }
+            Request::Epoch { epoch } => {
+                self.stager.check_epoch(epoch).map_err(|e| e.to_string())?;
+                self.stager.set_epoch(epoch);
+                Ok(Reply::ok())
+            }
+        }
+    }
+}
+
+impl ControlSession {
+    fn register(&mut self, paths: Vec<Option<String>>) -> Result<Reply, String> {
+        if self.datasets.len() >= MAX_DATASETS {
+            return Err(format!(
+                "more than {MAX_DATASETS} datasets registered on one connection"
+            ));
+        }
+        if paths.len() > MAX_ANNOUNCED {
+            return Err(format!("more than {MAX_ANNOUNCED} paths in one dataset"));
+        }
+        let files: Vec<Option<FileId>> = paths
+            .iter()
+            .map(|p| p.as_deref().and_then(|p| self.file_at(p)))
+            .collect();
+        let found = files.iter().flatten().count();
+        if found == 0 && !paths.is_empty() {
+            return Err(format!(
+                "none of the {} paths is a file on this mount (paths are relative to its root)",
+                paths.len()
+            ));
+        }
+        self.datasets.push(files);
+        Ok(Reply::ok()
+            .with("dataset", self.datasets.len() - 1)
+            .with("files", found))
+    }
+
+    /// The regular file `relative` names inside the mount, links followed as the kernel would.
+    fn file_at(&self, relative: &str) -> Option<FileId> {
+        let id = self.catalog.lookup_path(Path::new(relative))?;
+        let id = self.catalog.resolve(id)?;
+        (self.catalog.entry(id)?.kind == Kind::File).then_some(id)
+    }
+
+    /// The files `indices` read, in order, through a registered dataset or the mount's layout.
+    /// Indices whose file is not on the mount are left out (the job reads them elsewhere).
+    fn files_of(&self, dataset: Option<u64>, indices: &[u64]) -> Result<Vec<FileId>, String> {
+        if indices.len() > MAX_ANNOUNCED {
+            return Err(format!("more than {MAX_ANNOUNCED} indices in one announcement"));
+        }
+        let lookup: Box<dyn Fn(usize) -> Option<FileId> + '_> = match dataset {
+            Some(handle) => {
+                let files = usize::try_from(handle)
+                    .ok()
+                    .and_then(|h| self.datasets.get(h))
+                    .ok_or_else(|| format!("no dataset {handle} was registered on this connection"))?;
+                check_range(indices, files.len(), "the registered dataset")?;
+                Box::new(move |i| files[i])
+            }
+            None => {
+                check_range(indices, self.layout.len(), "the mount's layout")?;
+                Box::new(|i| self.layout.file_of(i as u32))
+            }
+        };
+        Ok(indices.iter().filter_map(|&i| lookup(i as usize)).collect())
+    }
+}
+
+fn check_range(indices: &[u64], len: usize, what: &str) -> Result<(), String> {
+    match indices.iter().find(|&&i| i >= len as u64) {
+        Some(i) => Err(format!("index {i} is out of range: {what} has {len} samples")),
+        None => Ok(()),
+    }
+}
