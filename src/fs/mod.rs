@@ -17,6 +17,8 @@ mod fuse;
 mod opens;
 mod xattr;
 
+#[cfg(test)]
+mod tests;
 
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
