@@ -7,11 +7,10 @@
 //! allow, would let a root `--allow-other` mount serve a file its reader could not open on
 //! SOURCE. So an open or opendir by another user than the daemon's is checked again on
 //! SOURCE: this FUSE thread alone takes on the caller's credentials ([`super::credentials`]),
-//! walks to the file from a SOURCE root fd opened before the
-//! mount existed (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`,
-//! `O_PATH`: the walk checks search permission on every directory and can never reach the
-//! mount, so the check itself cannot re-enter it), asks `faccessat2(AT_EACCESS)`, and
-//! restores its own credentials (or aborts the daemon, which must never run as someone else).
+//! walks to the file from a SOURCE root fd opened before the mount existed (`openat2`,
+//! `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`, `O_PATH`: the walk checks search
+//! permission on every directory and can never reach the mount, so the check itself cannot
+//! re-enter it), asks `faccessat2(AT_EACCESS)`, and restores its own credentials.
 //! Directories above SOURCE are not checked: the mount presents SOURCE as its root, and the
 //! mountpoint's own parents gate who reaches it. A file on another file system mounted below
 //! SOURCE is refused to other users (EACCES): the no-crossing rule is what keeps the check
@@ -25,9 +24,10 @@
 //!
 //! Re-entrancy: an open of a file not cached that comes from one of the stager's copy threads
 //! (which opened a SOURCE path leading back into the mount) is answered at once with EDEADLK
-//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits: a cache
-//! hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog or
-//! SOURCE, and a read needs a handle that only an open grants.
+//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits: a
+//! cache hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog
+//! or SOURCE, and a read needs a handle that only an open grants.
+
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};

@@ -70,7 +70,8 @@ fn sized(size: u32, bytes: Vec<u8>) -> Result<Xattr, FsError> {
 /// The usual caller probes for the length, allocates exactly that and reads; if a counter
 /// gained a digit in between, the fresh value no longer fits. Such a read then gets the
 /// probed value instead: a value as of a moment ago rather than a spurious ERANGE. A fresh
-/// value that fits is always preferred, so nothing else ever sees an old value.
+/// value that fits is always preferred, so nothing else ever sees an old value. One per mount
+/// (a field of the core): thread ids pair probes with reads only within one mount.
 #[derive(Default)]
 pub struct Probes(Mutex<Vec<Probe>>);
 
