@@ -30,7 +30,7 @@ use std::collections::HashSet;
 use std::ffi::{CStr, OsString};
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,6 +40,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::catalog::{Catalog, Entry, FileId};
+use crate::files::{open_nofollow, write_atomically};
 use crate::sys::euid;
 
 /// stagefs's own directory inside CACHE: everything it writes lives there, so a directory
@@ -222,14 +223,6 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
         path: path.to_path_buf(),
         source,
     }
-}
-
-/// Opens an existing file in the cache for reading; a symbolic link is an error (ELOOP).
-pub fn open_nofollow(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
 }
 
 /// Creates a directory of stagefs's own (0700); one already there must be a real directory.
@@ -719,35 +712,6 @@ fn remove_tree(path: &Path) -> Result<(), CacheError> {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(path)(e)),
         _ => Ok(()),
     }
-}
-
-/// Writes `bytes` to `path` via a temporary file and rename, so readers see the old or the
-/// new content, never a mix. `mode` is the new file's permission bits (before the umask).
-pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    write_atomically_with(path, mode, |mut f| f.write_all(bytes))
-}
-
-/// [`write_atomically`] for content that `write` streams into the temporary file.
-pub fn write_atomically_with(
-    path: &Path,
-    mode: u32,
-    write: impl FnOnce(&File) -> io::Result<()>,
-) -> io::Result<()> {
-    // A new file under a random name, created exclusively: nothing planted under a
-    // predictable name (a link, a FIFO that would block the writer, another user's file)
-    // can be opened instead. Removed again if anything fails before the rename.
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .permissions(fs::Permissions::from_mode(mode))
-        .tempfile_in(dir)?;
-    write(tmp.as_file())?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -148,7 +148,7 @@ impl<W: Write> Write for Hashing<W> {
 
 /// Writes the index for `catalog` to `path` atomically (temp file + rename).
 pub fn save(catalog: &Catalog, path: &Path) -> Result<(), IndexError> {
-    crate::cache::write_atomically_with(path, 0o600, |file| {
+    crate::files::write_atomically_with(path, 0o600, |file| {
         encode_to(catalog, BufWriter::new(file))
     })
     .map_err(|source| IndexError::Write {
@@ -165,7 +165,7 @@ pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
         source: e,
     };
     // Never through a link: the one a mount keeps in the cache must be the one it wrote.
-    let file = crate::cache::open_nofollow(path).map_err(read_err)?;
+    let file = crate::files::open_nofollow(path).map_err(read_err)?;
     let len = file.metadata().map_err(read_err)?.len();
     let catalog = decode_from(BufReader::new(file), len).map_err(|reason| match reason {
         DecodeError::Version(found) => IndexError::Version {
