@@ -6,14 +6,14 @@
 //! tree, or a user-supplied list), so that index i names the same file the framework opens.
 //!
 //! A sample whose path is a symlink maps to the file the link resolves to (that is what the
-//! kernel opens); one that cannot be resolved inside SOURCE maps to [`Layout::NO_FILE`] and is
-//! simply not staged.
+//! kernel opens); one that cannot be resolved inside SOURCE maps to no file and is simply not
+//! staged.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::{Catalog, FileId, Kind, ROOT};
+use super::{Catalog, FileId, Kind, MaybeFile, ROOT};
 
 /// torchvision's `IMG_EXTENSIONS`, matched case-insensitively against the end of the path.
 pub const DEFAULT_EXTENSIONS: &[&str] = &[
@@ -64,12 +64,13 @@ pub enum LayoutError {
 
 /// The dataset's samples in index order, as catalog file ids.
 pub struct Layout {
-    files: Vec<FileId>,
+    files: Vec<MaybeFile>,
     classes: Vec<String>,
 }
 
 impl Layout {
-    /// Marks a sample stagefs cannot serve from SOURCE (dangling link, link leaving SOURCE).
+    /// What [`Layout::file`] answers for a sample stagefs cannot serve. Only for `cli`, until
+    /// it moves to [`Layout::file_of`]; remove both then.
     pub const NO_FILE: FileId = FileId::MAX;
 
     pub fn build(
@@ -92,7 +93,7 @@ impl Layout {
                     return Err(LayoutError::ListEmpty(path.to_path_buf()));
                 }
                 Layout {
-                    files,
+                    files: files.into_iter().map(MaybeFile::from).collect(),
                     classes: Vec::new(),
                 }
             }
@@ -112,12 +113,14 @@ impl Layout {
         self.files.is_empty()
     }
 
-    /// The file sample `index` reads, or [`Layout::NO_FILE`].
+    /// The file sample `index` reads; `None` past the end or for a sample stagefs cannot serve.
+    pub fn file_of(&self, index: u32) -> Option<FileId> {
+        self.files.get(index as usize).and_then(|f| f.get())
+    }
+
+    /// [`Layout::file_of`] with [`Layout::NO_FILE`] for none: see there.
     pub fn file(&self, index: u32) -> FileId {
-        self.files
-            .get(index as usize)
-            .copied()
-            .unwrap_or(Self::NO_FILE)
+        self.file_of(index).unwrap_or(Self::NO_FILE)
     }
 
     pub fn classes(&self) -> &[String] {
@@ -133,7 +136,7 @@ impl Layout {
     #[cfg(test)]
     pub fn identity(n: u32) -> Layout {
         Layout {
-            files: (0..n).collect(),
+            files: (0..n).map(MaybeFile::from).collect(),
             classes: Vec::new(),
         }
     }
@@ -226,11 +229,9 @@ fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
                 full.push(b'/');
                 full.extend_from_slice(catalog.name(child).as_bytes());
                 if has_extension(&full, &extensions) {
-                    files.push(
-                        resolved
-                            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
-                            .unwrap_or(Layout::NO_FILE),
-                    );
+                    files.push(MaybeFile::new(
+                        resolved.filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File)),
+                    ));
                 }
             }
         }
@@ -243,7 +244,7 @@ fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
 }
 
 /// Every regular file (symlinks not followed), sorted by relative path bytes.
-fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
+fn sorted_tree(catalog: &Catalog) -> Vec<MaybeFile> {
     let mut out = Vec::new();
     // Depth-first in name order with '/' as separator is not byte order ("a/x/b" vs "a/x-y"),
     // so collect paths and sort them.
@@ -260,7 +261,7 @@ fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
         })
         .collect();
     with_paths.sort_unstable();
-    out.extend(with_paths.into_iter().map(|(_, id)| id));
+    out.extend(with_paths.into_iter().map(|(_, id)| MaybeFile::from(id)));
     out
 }
 
@@ -429,7 +430,7 @@ mod tests {
             let want = catalog
                 .resolve(catalog.lookup_path(Path::new(path)).unwrap())
                 .unwrap();
-            assert_eq!(layout.file(index), want, "index {index} ({path})");
+            assert_eq!(layout.file_of(index), Some(want), "index {index} ({path})");
             // Each golden file's content is its real path: the file we would stage is right.
             let real = fs::read_to_string(catalog.source_path(want)).unwrap();
             assert_eq!(Path::new(&real), catalog.relative_path(want), "{path}");
@@ -447,7 +448,7 @@ mod tests {
         let catalog = Catalog::scan(tmp.path(), 2).unwrap();
         let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
         let paths: Vec<PathBuf> = (0..layout.len() as u32)
-            .map(|i| catalog.relative_path(layout.file(i)))
+            .map(|i| catalog.relative_path(layout.file_of(i).unwrap()))
             .collect();
         let want: Vec<PathBuf> = ["a/x-y/a.jpeg", "a/x/b.jpg", "a/x/z/q.webp", "b.txt"]
             .iter()
