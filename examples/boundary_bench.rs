@@ -113,8 +113,8 @@ fn main() {
         counters.clone(),
     );
     let t = Instant::now();
-    let mut both: Vec<u32> = plan.stream(0);
-    both.extend(plan.stream(1));
+    let mut both: Vec<u32> = plan.files(0);
+    both.extend(plan.files(1));
     both.sort_unstable();
     both.dedup();
     let before = rss_bytes();
@@ -132,7 +132,7 @@ fn main() {
     let epoch1_opens = 10_000.min(share as usize);
     let mut latencies: Vec<(Duration, u64, usize)> = Vec::new();
     for epoch in 0..2 {
-        let stream = plan.stream(epoch);
+        let stream = plan.files(epoch);
         let take = if epoch == 0 {
             stream.len()
         } else {

@@ -3,8 +3,14 @@
 //!
 //! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
 //! (samplers) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
-//! → [`cache`] (the local directory) → [`fs`] (FUSE operations). [`stats`] counts, [`cli`] wires,
-//! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share.
+//! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`control`] takes the running
+//! job's announcements. [`stats`] counts, [`cli`] wires,
+//! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share,
+//! [`files`] the safe whole-file reads and atomic writes, [`input`] the user's text files.
+//!
+//! Imports go one way too, down these layers (bottom first; a module uses only those below it,
+//! which `tests/layering.rs` checks): `sys`, `files`, `input` (leaves) < `stats` < `catalog` <
+//! `order` < `plan` < `cache` < `stager` < `fs` < `control` < `daemon` < `cli`.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
@@ -15,6 +21,7 @@ pub mod cache;
 pub mod catalog;
 pub mod cli;
 pub mod control;
+pub mod files;
 pub mod fs;
 pub mod input;
 pub mod order;

@@ -6,14 +6,14 @@
 //! tree, or a user-supplied list), so that index i names the same file the framework opens.
 //!
 //! A sample whose path is a symlink maps to the file the link resolves to (that is what the
-//! kernel opens); one that cannot be resolved inside SOURCE maps to [`Layout::NO_FILE`] and is
-//! simply not staged.
+//! kernel opens); one that cannot be resolved inside SOURCE maps to no file and is simply not
+//! staged.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::{Catalog, FileId, Kind, ROOT};
+use super::{Catalog, FileId, Kind, MaybeFile, ROOT};
 
 /// torchvision's `IMG_EXTENSIONS`, matched case-insensitively against the end of the path.
 pub const DEFAULT_EXTENSIONS: &[&str] = &[
@@ -64,12 +64,13 @@ pub enum LayoutError {
 
 /// The dataset's samples in index order, as catalog file ids.
 pub struct Layout {
-    files: Vec<FileId>,
+    files: Vec<MaybeFile>,
     classes: Vec<String>,
 }
 
 impl Layout {
-    /// Marks a sample stagefs cannot serve from SOURCE (dangling link, link leaving SOURCE).
+    /// What [`Layout::file`] answers for a sample stagefs cannot serve. Only for `cli`, until
+    /// it moves to [`Layout::file_of`]; remove both then.
     pub const NO_FILE: FileId = FileId::MAX;
 
     pub fn build(
@@ -92,7 +93,7 @@ impl Layout {
                     return Err(LayoutError::ListEmpty(path.to_path_buf()));
                 }
                 Layout {
-                    files,
+                    files: files.into_iter().map(MaybeFile::from).collect(),
                     classes: Vec::new(),
                 }
             }
@@ -112,12 +113,14 @@ impl Layout {
         self.files.is_empty()
     }
 
-    /// The file sample `index` reads, or [`Layout::NO_FILE`].
+    /// The file sample `index` reads; `None` past the end or for a sample stagefs cannot serve.
+    pub fn file_of(&self, index: u32) -> Option<FileId> {
+        self.files.get(index as usize).and_then(|f| f.get())
+    }
+
+    /// [`Layout::file_of`] with [`Layout::NO_FILE`] for none: see there.
     pub fn file(&self, index: u32) -> FileId {
-        self.files
-            .get(index as usize)
-            .copied()
-            .unwrap_or(Self::NO_FILE)
+        self.file_of(index).unwrap_or(Self::NO_FILE)
     }
 
     pub fn classes(&self) -> &[String] {
@@ -133,7 +136,7 @@ impl Layout {
     #[cfg(test)]
     pub fn identity(n: u32) -> Layout {
         Layout {
-            files: (0..n).collect(),
+            files: (0..n).map(MaybeFile::from).collect(),
             classes: Vec::new(),
         }
     }
@@ -226,11 +229,9 @@ fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
                 full.push(b'/');
                 full.extend_from_slice(catalog.name(child).as_bytes());
                 if has_extension(&full, &extensions) {
-                    files.push(
-                        resolved
-                            .filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File))
-                            .unwrap_or(Layout::NO_FILE),
-                    );
+                    files.push(MaybeFile::new(
+                        resolved.filter(|&t| catalog.entry(t).map(|e| e.kind) == Some(Kind::File)),
+                    ));
                 }
             }
         }
@@ -243,7 +244,7 @@ fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
 }
 
 /// Every regular file (symlinks not followed), sorted by relative path bytes.
-fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
+fn sorted_tree(catalog: &Catalog) -> Vec<MaybeFile> {
     let mut out = Vec::new();
     // Depth-first in name order with '/' as separator is not byte order ("a/x/b" vs "a/x-y"),
     // so collect paths and sort them.
@@ -260,7 +261,7 @@ fn sorted_tree(catalog: &Catalog) -> Vec<FileId> {
         })
         .collect();
     with_paths.sort_unstable();
-    out.extend(with_paths.into_iter().map(|(_, id)| id));
+    out.extend(with_paths.into_iter().map(|(_, id)| MaybeFile::from(id)));
     out
 }
 
@@ -364,147 +365,4 @@ fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, Str
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::fs;
-
-    /// Builds the golden tricky tree from tests/data/golden/imagefolder/tree.txt.
-    pub(crate) fn golden_tree(dir: &Path) {
-        let spec = fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/data/golden/imagefolder/tree.txt"
-        ))
-        .unwrap();
-        for line in spec
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        {
-            let (kind, rest) = line.split_at(2);
-            match kind.trim() {
-                "f" => {
-                    let p = dir.join(rest);
-                    fs::create_dir_all(p.parent().unwrap()).unwrap();
-                    fs::write(&p, rest).unwrap();
-                }
-                "d" => fs::create_dir_all(dir.join(rest)).unwrap(),
-                "l" => {
-                    let (link, target) = rest.split_once(" -> ").unwrap();
-                    let p = dir.join(link);
-                    fs::create_dir_all(p.parent().unwrap()).unwrap();
-                    std::os::unix::fs::symlink(target, p).unwrap();
-                }
-                other => panic!("bad tree.txt line kind {other}"),
-            }
-        }
-    }
-
-    #[test]
-    fn image_folder_matches_torchvision_golden() {
-        let tmp = tempfile::tempdir().unwrap();
-        golden_tree(tmp.path());
-        let expected: serde_json::Value = serde_json::from_str(
-            &fs::read_to_string(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/data/golden/imagefolder/expected.json"
-            ))
-            .unwrap(),
-        )
-        .unwrap();
-        let catalog = Catalog::scan(tmp.path(), 2).unwrap();
-        let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
-        let layout = Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap();
-        let classes: Vec<&str> = expected["classes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c.as_str().unwrap())
-            .collect();
-        assert_eq!(layout.classes(), classes.as_slice());
-        let samples = expected["samples"].as_array().unwrap();
-        assert_eq!(layout.len(), samples.len());
-        for s in samples {
-            let index = s["index"].as_u64().unwrap() as u32;
-            let path = s["path"].as_str().unwrap();
-            // The sample's own path resolves to the file the layout names.
-            let want = catalog
-                .resolve(catalog.lookup_path(Path::new(path)).unwrap())
-                .unwrap();
-            assert_eq!(layout.file(index), want, "index {index} ({path})");
-            // Each golden file's content is its real path: the file we would stage is right.
-            let real = fs::read_to_string(catalog.source_path(want)).unwrap();
-            assert_eq!(Path::new(&real), catalog.relative_path(want), "{path}");
-        }
-    }
-
-    #[test]
-    fn tree_sorts_by_path_bytes_not_walk_order() {
-        let tmp = tempfile::tempdir().unwrap();
-        for p in ["a/x/b.jpg", "a/x-y/a.jpeg", "a/x/z/q.webp", "b.txt"] {
-            let f = tmp.path().join(p);
-            fs::create_dir_all(f.parent().unwrap()).unwrap();
-            fs::write(f, p).unwrap();
-        }
-        let catalog = Catalog::scan(tmp.path(), 2).unwrap();
-        let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
-        let paths: Vec<PathBuf> = (0..layout.len() as u32)
-            .map(|i| catalog.relative_path(layout.file(i)))
-            .collect();
-        let want: Vec<PathBuf> = ["a/x-y/a.jpeg", "a/x/b.jpg", "a/x/z/q.webp", "b.txt"]
-            .iter()
-            .map(PathBuf::from)
-            .collect();
-        assert_eq!(paths, want);
-    }
-
-    /// What `stagefs mount` checks before it starts the daemon.
-    #[test]
-    fn list_file_checked_before_the_scan() {
-        let tmp = tempfile::tempdir().unwrap();
-        let list = tmp.path().join("list.txt");
-        for (text, want) in [
-            (&b""[..], "names no file"),
-            (b"\n", "names no file"),
-            (b"a.jpg\n../b.jpg\n", "line 2: '../b.jpg' contains '..'"),
-            (b"a.jpg\r\n\r\n", "line 2: empty line"),
-        ] {
-            fs::write(&list, text).unwrap();
-            let msg = check_list_file(&list).unwrap_err().to_string();
-            assert!(
-                msg.starts_with("--list-file ") && msg.contains(want),
-                "{msg}"
-            );
-        }
-        fs::write(&list, b"not/yet/known.jpg\n").unwrap();
-        assert!(
-            check_list_file(&list).is_ok(),
-            "existence is checked after the scan"
-        );
-        let msg = check_list_file(&tmp.path().join("nope"))
-            .unwrap_err()
-            .to_string();
-        assert!(msg.starts_with("cannot read --list-file "), "{msg}");
-    }
-
-    #[test]
-    fn list_file_errors_name_the_line() {
-        let tmp = tempfile::tempdir().unwrap();
-        fs::create_dir_all(tmp.path().join("d")).unwrap();
-        fs::write(tmp.path().join("d/a.jpg"), b"x").unwrap();
-        let catalog = Catalog::scan(tmp.path(), 1).unwrap();
-        assert_eq!(
-            parse_list(&catalog, b"d/a.jpg\nd/a.jpg\n").unwrap().len(),
-            2
-        );
-        for (text, line, needle) in [
-            (&b"d/a.jpg\n../etc/passwd\n"[..], 2, ".."),
-            (b"/etc/passwd\n", 1, "absolute"),
-            (b"d/a.jpg\n\nd/a.jpg\n", 2, "empty"),
-            (b"d/missing.jpg\n", 1, "does not exist"),
-            (b"d\n", 1, "not a regular file"),
-        ] {
-            let (got_line, reason) = parse_list(&catalog, text).unwrap_err();
-            assert_eq!(got_line, line, "{reason}");
-            assert!(reason.contains(needle), "{reason}");
-        }
-    }
-}
+mod tests;

@@ -13,6 +13,7 @@
 
 pub mod index;
 mod layout;
+mod maybe_file;
 mod scan;
 
 use std::ffi::{OsStr, OsString};
@@ -24,6 +25,7 @@ pub use index::IndexError;
 pub use layout::{
     DEFAULT_EXTENSIONS, Layout, LayoutError, LayoutKind, check_list_file, list_paths,
 };
+pub use maybe_file::MaybeFile;
 pub use scan::{Lister, ScanError, Scanned};
 
 /// A catalog node id: index into [`Catalog::entries`]. The root is 0.

@@ -6,13 +6,11 @@
 //! are not the whole answer, though: ACLs, and servers that refuse a user what the bits
 //! allow, would let a root `--allow-other` mount serve a file its reader could not open on
 //! SOURCE. So an open or opendir by another user than the daemon's is checked again on
-//! SOURCE: this FUSE thread alone takes on the caller's fsuid, fsgid and supplementary groups
-//! (raw syscalls: Linux credentials are per thread, and glibc's `setgroups` would change
-//! every thread of the daemon), walks to the file from a SOURCE root fd opened before the
-//! mount existed (`openat2`, `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`,
-//! `O_PATH`: the walk checks search permission on every directory and can never reach the
-//! mount, so the check itself cannot re-enter it), asks `faccessat2(AT_EACCESS)`, and
-//! restores its own credentials (or aborts the daemon, which must never run as someone else).
+//! SOURCE: this FUSE thread alone takes on the caller's credentials ([`super::credentials`]),
+//! walks to the file from a SOURCE root fd opened before the mount existed (`openat2`,
+//! `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`, `O_PATH`: the walk checks search
+//! permission on every directory and can never reach the mount, so the check itself cannot
+//! re-enter it), asks `faccessat2(AT_EACCESS)`, and restores its own credentials.
 //! Directories above SOURCE are not checked: the mount presents SOURCE as its root, and the
 //! mountpoint's own parents gate who reaches it. A file on another file system mounted below
 //! SOURCE is refused to other users (EACCES): the no-crossing rule is what keeps the check
@@ -26,9 +24,9 @@
 //!
 //! Re-entrancy: an open of a file not cached that comes from one of the stager's copy threads
 //! (which opened a SOURCE path leading back into the mount) is answered at once with EDEADLK
-//! (see `fs::open`): waiting on it could take every copy thread. Nothing else waits: a cache
-//! hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog or
-//! SOURCE, and a read needs a handle that only an open grants.
+//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits: a
+//! cache hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog
+//! or SOURCE, and a read needs a handle that only an open grants.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -39,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::credentials::{AsCaller, Credential, SwitchError, parse_status, read_status};
 use crate::catalog::FileId;
 use crate::stager::SourceRoot;
 use crate::sys;
@@ -78,104 +77,6 @@ impl Refusal {
             _ => libc::EACCES,
         }
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SwitchError {
-    #[error("{call}: {source}")]
-    Call {
-        call: &'static str,
-        source: io::Error,
-    },
-    #[error("{call} did not take (still {now})")]
-    NotTaken { call: &'static str, now: u32 },
-}
-
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum StatusError {
-    #[error("no {0} line")]
-    Missing(&'static str),
-    #[error("malformed {0} line")]
-    Malformed(&'static str),
-}
-
-/// The fields of `/proc/<pid>/status` a decision needs.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Status {
-    pub tgid: u32,
-    pub fsuid: u32,
-    pub fsgid: u32,
-    /// Supplementary groups, sorted.
-    pub groups: Vec<u32>,
-}
-
-/// Parses `/proc/<pid>/status`. `Uid:`/`Gid:` list real, effective, saved and fs ids; the fs
-/// ones are what permission checks use, and what a FUSE request carries.
-pub fn parse_status(text: &[u8]) -> Result<Status, StatusError> {
-    let mut tgid = None;
-    let mut fsuid = None;
-    let mut fsgid = None;
-    let mut groups = None;
-    for line in text.split(|&b| b == b'\n') {
-        let Some(colon) = line.iter().position(|&b| b == b':') else {
-            continue;
-        };
-        let (key, rest) = (&line[..colon], &line[colon + 1..]);
-        let numbers = || {
-            rest.split(|b| b.is_ascii_whitespace())
-                .filter(|w| !w.is_empty())
-                .map(|w| std::str::from_utf8(w).ok()?.parse::<u32>().ok())
-        };
-        match key {
-            b"Tgid" => {
-                tgid = Some(
-                    numbers()
-                        .next()
-                        .flatten()
-                        .ok_or(StatusError::Malformed("Tgid"))?,
-                )
-            }
-            b"Uid" => {
-                fsuid = Some(
-                    numbers()
-                        .nth(3)
-                        .flatten()
-                        .ok_or(StatusError::Malformed("Uid"))?,
-                )
-            }
-            b"Gid" => {
-                fsgid = Some(
-                    numbers()
-                        .nth(3)
-                        .flatten()
-                        .ok_or(StatusError::Malformed("Gid"))?,
-                )
-            }
-            b"Groups" => {
-                let g: Option<Vec<u32>> = numbers().collect();
-                groups = Some(g.ok_or(StatusError::Malformed("Groups"))?);
-            }
-            _ => {}
-        }
-    }
-    let mut groups = groups.ok_or(StatusError::Missing("Groups"))?;
-    groups.sort_unstable();
-    groups.dedup();
-    Ok(Status {
-        tgid: tgid.ok_or(StatusError::Missing("Tgid"))?,
-        fsuid: fsuid.ok_or(StatusError::Missing("Uid"))?,
-        fsgid: fsgid.ok_or(StatusError::Missing("Gid"))?,
-        groups,
-    })
-}
-
-/// A caller's file-system identity: what SOURCE's permission checks look at.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Credential {
-    pub uid: u32,
-    pub gid: u32,
-    /// Sorted, without duplicates.
-    pub groups: Vec<u32>,
 }
 
 /// Decisions for one credential: two bits per catalog id, `01` checked and denied, `11`
@@ -362,27 +263,10 @@ impl Gate {
     }
 }
 
-/// `/proc/<pid>/status`, read without `fs::read`'s extra stat: it is on every open of
-/// another user.
-fn read_status(pid: u32) -> io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(format!("/proc/{pid}/status"))?;
-    let mut text = Vec::with_capacity(4096);
-    let mut chunk = [0u8; 4096];
-    loop {
-        match file.read(&mut chunk) {
-            Ok(0) => return Ok(text),
-            Ok(n) => text.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
 /// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
 /// stagefs mount; it checks search permission on every directory it passes.
-fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Result<()> {
+pub(super) fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Result<()> {
     let file = sys::openat2(
         root,
         relative,
@@ -405,170 +289,9 @@ fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Resu
     }
 }
 
-/// This thread's file-system credentials, as they were before [`AsCaller::enter`].
-struct Saved {
-    fsuid: u32,
-    fsgid: u32,
-    groups: Vec<u32>,
-}
-
-/// This thread, and only it, acting with a caller's fsuid, fsgid and groups until dropped.
-struct AsCaller {
-    saved: Saved,
-}
-
-impl AsCaller {
-    fn enter(cred: &Credential) -> Result<AsCaller, SwitchError> {
-        let saved = Saved {
-            fsuid: fsuid_now(),
-            fsgid: fsgid_now(),
-            groups: groups_now()?,
-        };
-        // From here on, Drop restores whatever was changed.
-        let guard = AsCaller { saved };
-        // Groups and fsgid first: changing them needs CAP_SETGID, which leaving fsuid 0 keeps,
-        // but the fsuid is the switch that drops the file capabilities.
-        set_groups(&cred.groups)?;
-        set_fsgid(cred.gid)?;
-        set_fsuid(cred.uid)?;
-        Ok(guard)
-    }
-}
-
-impl Drop for AsCaller {
-    fn drop(&mut self) {
-        let restored = set_fsuid(self.saved.fsuid)
-            .and_then(|()| set_fsgid(self.saved.fsgid))
-            .and_then(|()| set_groups(&self.saved.groups));
-        if let Err(e) = restored {
-            // Going on would serve and stage as another user.
-            log::error!("cannot restore the FUSE thread's credentials ({e}); aborting");
-            std::process::abort();
-        }
-    }
-}
-
-fn fsuid_now() -> u32 {
-    // SAFETY: setfsuid with an invalid id (-1) changes nothing and returns the current fsuid.
-    unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32 }
-}
-
-fn fsgid_now() -> u32 {
-    // SAFETY: setfsgid with an invalid id (-1) changes nothing and returns the current fsgid.
-    unsafe { libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32 }
-}
-
-/// setfsuid reports no error: the result is verified by reading it back.
-fn set_fsuid(uid: u32) -> Result<(), SwitchError> {
-    // SAFETY: setfsuid takes any id; it changes only this thread's credentials.
-    unsafe { libc::syscall(libc::SYS_setfsuid, uid) };
-    match fsuid_now() {
-        now if now == uid => Ok(()),
-        now => Err(SwitchError::NotTaken {
-            call: "setfsuid",
-            now,
-        }),
-    }
-}
-
-fn set_fsgid(gid: u32) -> Result<(), SwitchError> {
-    // SAFETY: setfsgid takes any id; it changes only this thread's credentials.
-    unsafe { libc::syscall(libc::SYS_setfsgid, gid) };
-    match fsgid_now() {
-        now if now == gid => Ok(()),
-        now => Err(SwitchError::NotTaken {
-            call: "setfsgid",
-            now,
-        }),
-    }
-}
-
-/// The raw syscall, not glibc's wrapper, which would set the groups of every thread.
-fn set_groups(groups: &[u32]) -> Result<(), SwitchError> {
-    // SAFETY: a valid array of `groups.len()` gid_t; only this thread's credentials change.
-    let r = unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) };
-    if r != 0 {
-        return Err(SwitchError::Call {
-            call: "setgroups",
-            source: io::Error::last_os_error(),
-        });
-    }
-    match groups_now()? {
-        now if now == groups => Ok(()),
-        now => Err(SwitchError::NotTaken {
-            call: "setgroups",
-            now: now.len() as u32,
-        }),
-    }
-}
-
-/// This thread's supplementary groups, sorted as the kernel keeps them.
-fn groups_now() -> Result<Vec<u32>, SwitchError> {
-    let failed = || SwitchError::Call {
-        call: "getgroups",
-        source: io::Error::last_os_error(),
-    };
-    // SAFETY: a size of 0 asks only for the count; the pointer is not used.
-    let count = unsafe { libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<u32>()) };
-    let mut groups = vec![0u32; usize::try_from(count).map_err(|_| failed())?];
-    // SAFETY: a buffer of `groups.len()` gid_t; this thread alone changes its groups.
-    let n = unsafe { libc::syscall(libc::SYS_getgroups, groups.len(), groups.as_mut_ptr()) };
-    groups.truncate(usize::try_from(n).map_err(|_| failed())?);
-    Ok(groups)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
-
-    const STATUS: &[u8] =
-        b"Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4242\nNgid:\t0\n\
-Pid:\t4243\nPPid:\t1\nTracerPid:\t0\nUid:\t1000\t1000\t1000\t1001\nGid:\t100\t100\t100\t101\n\
-FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
-
-    #[test]
-    fn status_gives_tgid_fs_ids_and_sorted_groups() {
-        assert_eq!(
-            parse_status(STATUS),
-            Ok(Status {
-                tgid: 4242,
-                fsuid: 1001,
-                fsgid: 101,
-                groups: vec![4, 27, 100],
-            })
-        );
-    }
-
-    #[test]
-    fn empty_groups_line_is_no_groups() {
-        let s = parse_status(b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n").unwrap();
-        assert!(s.groups.is_empty());
-    }
-
-    /// A status that cannot be understood must refuse, never mean "no groups".
-    #[test]
-    fn missing_or_malformed_lines_are_errors() {
-        let without_groups = b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n";
-        assert_eq!(
-            parse_status(without_groups),
-            Err(StatusError::Missing("Groups"))
-        );
-        let bad_group = b"Tgid:\t1\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t1 x\n";
-        assert_eq!(
-            parse_status(bad_group),
-            Err(StatusError::Malformed("Groups"))
-        );
-        let short_uid = b"Tgid:\t1\nUid:\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n";
-        assert_eq!(parse_status(short_uid), Err(StatusError::Malformed("Uid")));
-        assert_eq!(parse_status(b""), Err(StatusError::Missing("Groups")));
-    }
-
-    #[test]
-    fn this_process_status_parses() {
-        let s = parse_status(&read_status(std::process::id()).unwrap()).unwrap();
-        assert_eq!(s.tgid, std::process::id());
-    }
 
     fn cred(uid: u32, groups: &[u32]) -> Credential {
         Credential {
@@ -644,60 +367,5 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         assert_eq!(check(libc::ENOTDIR).errno(), libc::ENOENT);
         assert_eq!(check(libc::ELOOP).errno(), libc::ESTALE);
         assert_eq!(check(libc::EXDEV).errno(), libc::EACCES);
-    }
-
-    /// Root only (CI runs as root): the switch changes this thread alone, SOURCE's kernel
-    /// then answers for the caller, and everything is restored.
-    #[test]
-    fn switch_is_per_thread_and_restored() {
-        if crate::sys::euid() != 0 {
-            eprintln!("skipped: needs root");
-            return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let secret = dir.path().join("secret");
-        std::fs::write(&secret, b"x").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let root = sys::open_directory(dir.path()).unwrap();
-        let (before_uid, before_groups) = (fsuid_now(), groups_now().unwrap());
-        let nobody = cred(65534, &[]);
-        let in_group_0 = Credential {
-            uid: 65534,
-            gid: 65534,
-            groups: vec![0],
-        };
-        let (switched, main_sees) = (AtomicBool::new(false), AtomicBool::new(false));
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let guard = AsCaller::enter(&nobody).unwrap();
-                assert_eq!((fsuid_now(), fsgid_now()), (65534, 65534));
-                switched.store(true, Ordering::SeqCst);
-                while !main_sees.load(Ordering::SeqCst) {
-                    std::thread::yield_now();
-                }
-                let e = check_on_source(root.as_fd(), Path::new("secret"), libc::R_OK).unwrap_err();
-                assert_eq!(e.raw_os_error(), Some(libc::EACCES));
-                check_on_source(root.as_fd(), Path::new(""), libc::R_OK | libc::X_OK).unwrap();
-                drop(guard);
-                assert_eq!(
-                    (fsuid_now(), groups_now().unwrap()),
-                    (before_uid, before_groups.clone())
-                );
-                let _as_member = AsCaller::enter(&in_group_0).unwrap();
-                check_on_source(root.as_fd(), Path::new("secret"), libc::R_OK).unwrap();
-            });
-            while !switched.load(Ordering::SeqCst) {
-                std::thread::yield_now();
-            }
-            // Meanwhile this thread is still itself.
-            assert_eq!(
-                (fsuid_now(), groups_now().unwrap()),
-                (before_uid, before_groups.clone())
-            );
-            main_sees.store(true, Ordering::SeqCst);
-        });
-        assert_eq!(fsuid_now(), before_uid);
     }
 }

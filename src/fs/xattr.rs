@@ -20,17 +20,17 @@
 //! reported, failing the caller's following read with ERANGE; see [`Probes`].
 
 use std::ffi::{CString, OsStr};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use std::os::fd::AsRawFd;
-
-use fuser::{Errno, ReplyEmpty, ReplyXattr, Request};
 use parking_lot::Mutex;
 
-use super::StageFs;
-use crate::catalog::{Catalog, FileId, Kind, ROOT};
+use super::access::Caller;
+use super::dataset::{DatasetFs, id};
+use super::error::FsError;
+use crate::catalog::{FileId, Kind, ROOT};
 use crate::stats::Snapshot;
 
 pub const PREFIX: &str = "user.stagefs.";
@@ -46,14 +46,22 @@ pub const STATE_XATTR: &str = "user.stagefs.state";
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
 const MAX_SOURCE_VALUE: usize = 64 * 1024;
 
-/// Answers a size probe (`size == 0`), the value, or ERANGE when the caller's buffer is short.
-fn reply_bytes(reply: ReplyXattr, size: u32, bytes: &[u8]) {
+/// The answer to getxattr or listxattr: the length a size probe (`size == 0`) asked for, or
+/// the bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Xattr {
+    Size(u32),
+    Data(Vec<u8>),
+}
+
+/// Answers a size probe, the value, or ERANGE when the caller's buffer is short.
+fn sized(size: u32, bytes: Vec<u8>) -> Result<Xattr, FsError> {
     if size == 0 {
-        reply.size(bytes.len() as u32);
+        Ok(Xattr::Size(bytes.len() as u32))
     } else if bytes.len() > size as usize {
-        reply.error(Errno::ERANGE);
+        Err(FsError::Range)
     } else {
-        reply.data(bytes);
+        Ok(Xattr::Data(bytes))
     }
 }
 
@@ -62,8 +70,10 @@ fn reply_bytes(reply: ReplyXattr, size: u32, bytes: &[u8]) {
 /// The usual caller probes for the length, allocates exactly that and reads; if a counter
 /// gained a digit in between, the fresh value no longer fits. Such a read then gets the
 /// probed value instead: a value as of a moment ago rather than a spurious ERANGE. A fresh
-/// value that fits is always preferred, so nothing else ever sees an old value.
-struct Probes(Mutex<Vec<Probe>>);
+/// value that fits is always preferred, so nothing else ever sees an old value. One per mount
+/// (a field of the core): thread ids pair probes with reads only within one mount.
+#[derive(Default)]
+pub struct Probes(Mutex<Vec<Probe>>);
 
 struct Probe {
     thread: u32,
@@ -77,8 +87,6 @@ struct Probe {
 const PROBE_LIFETIME: Duration = Duration::from_secs(2);
 /// Far more callers than probe at once; keeps a script probing thousands of files cheap.
 const MAX_PROBES: usize = 64;
-
-static PROBES: Probes = Probes(Mutex::new(Vec::new()));
 
 impl Probes {
     fn remember(&self, thread: u32, id: FileId, key: &str, value: &[u8]) {
@@ -123,152 +131,178 @@ fn snapshot_value(snapshot: &Snapshot, key: &str) -> Option<Vec<u8>> {
     })
 }
 
-/// Regular files in the subtree of `dir`, visited in chunks so the stager's lock is never
-/// held for a whole large dataset.
-fn cached_in_subtree(fs: &StageFs, catalog: &Catalog, dir: FileId) -> (u64, u64) {
-    const CHUNK: usize = 4096;
-    let (mut cached, mut total) = (0, 0);
-    let mut files = Vec::with_capacity(CHUNK);
-    let mut dirs = vec![dir];
-    let flush = |files: &mut Vec<FileId>, cached: &mut u64| {
-        *cached += fs.data.stager.cached_count(files.drain(..));
-    };
-    while let Some(d) = dirs.pop() {
-        for child in catalog.children(d) {
-            match catalog.entry(child).map(|e| e.kind) {
-                Some(Kind::File) => {
-                    files.push(child);
-                    total += 1;
-                    if files.len() == CHUNK {
-                        flush(&mut files, &mut cached);
+impl<B: Send + Sync + 'static> DatasetFs<B> {
+    /// Regular files in the subtree of `dir` and how many are cached, visited in chunks so the
+    /// stager's lock is never held for a whole large dataset.
+    fn cached_in_subtree(&self, dir: FileId) -> (u64, u64) {
+        const CHUNK: usize = 4096;
+        let catalog = &self.data.catalog;
+        let (mut cached, mut total) = (0, 0);
+        let mut files = Vec::with_capacity(CHUNK);
+        let mut dirs = vec![dir];
+        let flush = |files: &mut Vec<FileId>, cached: &mut u64| {
+            *cached += self.data.stager.cached_count(files.drain(..));
+        };
+        while let Some(d) = dirs.pop() {
+            for child in catalog.children(d) {
+                match catalog.entry(child).map(|e| e.kind) {
+                    Some(Kind::File) => {
+                        files.push(child);
+                        total += 1;
+                        if files.len() == CHUNK {
+                            flush(&mut files, &mut cached);
+                        }
                     }
+                    Some(Kind::Directory) => dirs.push(child),
+                    _ => {}
                 }
-                Some(Kind::Directory) => dirs.push(child),
-                _ => {}
             }
         }
+        flush(&mut files, &mut cached);
+        (cached, total)
     }
-    flush(&mut files, &mut cached);
-    (cached, total)
-}
 
-fn ours(fs: &StageFs, id: FileId, key: &str) -> Option<Vec<u8>> {
-    let data = &fs.data;
-    if id == ROOT {
-        if key == PID {
-            return Some(std::process::id().to_string().into_bytes());
+    /// Our attribute `key` (the name after [`PREFIX`]) of `id`, if it has one.
+    fn ours(&self, id: FileId, key: &str) -> Option<Vec<u8>> {
+        let data = &self.data;
+        if id == ROOT {
+            if key == PID {
+                return Some(std::process::id().to_string().into_bytes());
+            }
+            let snapshot = data.snapshot(self.passthrough_flag().load(Ordering::Relaxed));
+            if let Some(v) = snapshot_value(&snapshot, key) {
+                return Some(v);
+            }
         }
-        let snapshot = StageFs::snapshot(data, fs.passthrough.load(Ordering::Relaxed));
-        if let Some(v) = snapshot_value(&snapshot, key) {
-            return Some(v);
+        if key != STATE {
+            return None;
         }
-    }
-    if key != STATE {
-        return None;
-    }
-    let entry = data.catalog.entry(id)?;
-    Some(match entry.kind {
-        Kind::File => data.stager.file_state(id).as_bytes().to_vec(),
-        Kind::Directory => {
-            let (cached, total) = cached_in_subtree(fs, &data.catalog, id);
-            format!("{cached}/{total} cached").into_bytes()
-        }
-        _ => return None,
-    })
-}
-
-pub(super) fn get(
-    fs: &StageFs,
-    req: &Request,
-    id: FileId,
-    name: &OsStr,
-    size: u32,
-    reply: ReplyXattr,
-) {
-    if fs.data.catalog.entry(id).is_none() {
-        return reply.error(Errno::ENOENT);
-    }
-    // The caller's thread id as FUSE reports it: pairs size probes with reads.
-    let thread = req.pid();
-    if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
-        let Some(value) = ours(fs, id, key) else {
-            return reply.error(Errno::NO_XATTR);
-        };
-        if size == 0 {
-            PROBES.remember(thread, id, key, &value);
-        } else if value.len() > size as usize
-            && let Some(probed) = PROBES.take(thread, id, key, size as usize)
-        {
-            return reply.data(&probed);
-        }
-        return reply_bytes(reply, size, &value);
-    }
-    if let Err(errno) = fs.permitted(req, id, libc::R_OK) {
-        return reply.error(errno);
-    }
-    match source_node(fs, id).and_then(|node| source_xattr(&node, name)) {
-        Ok(v) => reply_bytes(reply, size, &v),
-        Err(errno) => reply.error(Errno::from_i32(errno)),
-    }
-}
-
-/// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
-/// through no link and no mount (a directory swapped for a link must not make the mount read
-/// the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr calls take.
-fn source_node(fs: &StageFs, id: FileId) -> Result<SourceNode, i32> {
-    let catalog = &fs.data.catalog;
-    // User attributes live on files and directories only (the kernel refuses them on links).
-    if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
-        return Err(libc::ENODATA);
-    }
-    let relative = catalog.relative_path(id);
-    let fd = fs
-        .data
-        .source_root
-        .with(|root| {
-            crate::sys::openat2(
-                root,
-                &relative,
-                libc::O_PATH | libc::O_NOFOLLOW,
-                libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
-            )
+        let entry = data.catalog.entry(id)?;
+        Some(match entry.kind {
+            Kind::File => data.stager.file_state(id).as_bytes().to_vec(),
+            Kind::Directory => {
+                let (cached, total) = self.cached_in_subtree(id);
+                format!("{cached}/{total} cached").into_bytes()
+            }
+            _ => return None,
         })
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOENT) => libc::ENOENT,
-            _ => libc::ESTALE,
-        })?;
-    let path = c_path(std::path::Path::new(&format!(
-        "/proc/self/fd/{}",
-        fd.as_raw_fd()
-    )))?;
-    Ok(SourceNode { _fd: fd, path })
+    }
+
+    /// Attribute `name` of `ino`, or its length if `size` is 0.
+    pub fn getxattr(
+        &self,
+        ino: u64,
+        name: &OsStr,
+        size: u32,
+        caller: Caller,
+    ) -> Result<Xattr, FsError> {
+        let id = id(ino);
+        if self.data.catalog.entry(id).is_none() {
+            return Err(FsError::NotFound);
+        }
+        if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
+            let value = self.ours(id, key).ok_or(FsError::NoAttr)?;
+            // The caller's thread id as FUSE reports it pairs size probes with reads.
+            let thread = caller.pid;
+            if size == 0 {
+                self.probes.remember(thread, id, key, &value);
+            } else if value.len() > size as usize
+                && let Some(probed) = self.probes.take(thread, id, key, size as usize)
+            {
+                return Ok(Xattr::Data(probed));
+            }
+            return sized(size, value);
+        }
+        self.permitted(caller, id, libc::R_OK)?;
+        let value = self
+            .source_node(id)
+            .and_then(|node| source_xattr(&node, name))
+            .map_err(FsError::Source)?;
+        sized(size, value)
+    }
+
+    /// The source's own names only, minus any `user.stagefs.*` it carries (ours shadow those,
+    /// so listing them would promise values the mount does not give).
+    pub fn listxattr(&self, ino: u64, size: u32, caller: Caller) -> Result<Xattr, FsError> {
+        let id = id(ino);
+        if self.data.catalog.entry(id).is_none() {
+            return Err(FsError::NotFound);
+        }
+        self.permitted(caller, id, libc::R_OK)?;
+        let names = match self.source_node(id) {
+            Ok(node) => source_list(&node),
+            Err(libc::ENODATA) => Ok(Vec::new()),
+            Err(errno) => Err(errno),
+        }
+        .map_err(FsError::Source)?;
+        // The daemon lists as root; `trusted.*` names are listed only to root on SOURCE too.
+        sized(size, without_ours(&names, caller.uid == 0))
+    }
+
+    /// Only the root's `user.stagefs.epoch` is writable.
+    pub fn setxattr(&self, ino: u64, name: &OsStr, value: &[u8]) -> Result<(), FsError> {
+        let key = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(PREFIX))
+            .ok_or(FsError::ReadOnly)?;
+        if id(ino) != ROOT || key != "epoch" {
+            return Err(FsError::Invalid);
+        }
+        let stager = &self.data.stager;
+        match parse_epoch(value) {
+            Some(epoch) if stager.plan_predicts() => match stager.check_epoch(epoch) {
+                Ok(()) => {
+                    stager.set_epoch(epoch);
+                    Ok(())
+                }
+                Err(e) => {
+                    log::warn!("user.stagefs.epoch not changed: {e}");
+                    Err(FsError::Invalid)
+                }
+            },
+            _ => Err(FsError::Invalid),
+        }
+    }
+
+    /// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
+    /// through no link and no mount (a directory swapped for a link must not make the mount
+    /// read the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr
+    /// calls take.
+    fn source_node(&self, id: FileId) -> Result<SourceNode, i32> {
+        let catalog = &self.data.catalog;
+        // User attributes live on files and directories only (the kernel refuses them on
+        // links).
+        if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
+            return Err(libc::ENODATA);
+        }
+        let relative = catalog.relative_path(id);
+        let fd = self
+            .data
+            .source_root
+            .with(|root| {
+                crate::sys::openat2(
+                    root,
+                    &relative,
+                    libc::O_PATH | libc::O_NOFOLLOW,
+                    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+                )
+            })
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ENOENT) => libc::ENOENT,
+                _ => libc::ESTALE,
+            })?;
+        let path = c_path(std::path::Path::new(&format!(
+            "/proc/self/fd/{}",
+            fd.as_raw_fd()
+        )))?;
+        Ok(SourceNode { _fd: fd, path })
+    }
 }
 
 /// An open SOURCE node and the path that names it for as long as it is held.
 struct SourceNode {
     _fd: std::os::fd::OwnedFd,
     path: CString,
-}
-
-/// The source's own names only, minus any `user.stagefs.*` it carries (ours shadow those, so
-/// listing them would promise values the mount does not give).
-pub(super) fn list(fs: &StageFs, req: &Request, id: FileId, size: u32, reply: ReplyXattr) {
-    if fs.data.catalog.entry(id).is_none() {
-        return reply.error(Errno::ENOENT);
-    }
-    if let Err(errno) = fs.permitted(req, id, libc::R_OK) {
-        return reply.error(errno);
-    }
-    let listed = match source_node(fs, id) {
-        Ok(node) => source_list(&node),
-        Err(libc::ENODATA) => Ok(Vec::new()),
-        Err(errno) => Err(errno),
-    };
-    match listed {
-        // The daemon lists as root; `trusted.*` names are listed only to root on SOURCE too.
-        Ok(names) => reply_bytes(reply, size, &without_ours(&names, req.uid() == 0)),
-        Err(errno) => reply.error(Errno::from_i32(errno)),
-    }
 }
 
 /// A listxattr buffer (NUL-terminated names) without the names under [`PREFIX`], and without
@@ -281,29 +315,6 @@ fn without_ours(names: &[u8], show_trusted: bool) -> Vec<u8> {
         .flatten()
         .copied()
         .collect()
-}
-
-pub(super) fn set(fs: &StageFs, id: FileId, name: &OsStr, value: &[u8], reply: ReplyEmpty) {
-    let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) else {
-        return reply.error(Errno::EROFS);
-    };
-    if id != ROOT || key != "epoch" {
-        return reply.error(Errno::EINVAL);
-    }
-    let stager = &fs.data.stager;
-    match parse_epoch(value) {
-        Some(epoch) if stager.plan_predicts() => match stager.check_epoch(epoch) {
-            Ok(()) => {
-                stager.set_epoch(epoch);
-                reply.ok();
-            }
-            Err(e) => {
-                log::warn!("user.stagefs.epoch not changed: {e}");
-                reply.error(Errno::EINVAL);
-            }
-        },
-        _ => reply.error(Errno::EINVAL),
-    }
 }
 
 /// An epoch as `setfattr -v 37` sends it: decimal digits, surrounding whitespace allowed.

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::catalog::{FileId, Layout};
+use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig};
 
 pub use tracker::{Tracker, TrackerMode, TrackerSettings, find_position};
@@ -48,29 +48,27 @@ impl Epochs {
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
     pub epoch: u64,
-    /// File read at each offset of the epoch ([`Layout::NO_FILE`] for unservable samples).
-    pub stream: Vec<FileId>,
+    /// File read at each offset of the epoch.
+    stream: Vec<MaybeFile>,
     /// `positions[starts[f]..starts[f + 1]]` are the offsets (ascending) where file f is read.
     starts: Vec<u32>,
     positions: Vec<u32>,
 }
 
 impl EpochPlan {
-    fn build(epoch: u64, stream: Vec<FileId>, file_count: usize) -> EpochPlan {
+    fn build(epoch: u64, stream: Vec<MaybeFile>, file_count: usize) -> EpochPlan {
         // Counting sort: a CSR index in two passes, no per-file allocation.
         let mut starts = vec![0u32; file_count + 1];
-        for &f in &stream {
-            if f != Layout::NO_FILE {
-                starts[f as usize + 1] += 1;
-            }
+        for f in stream.iter().filter_map(|f| f.get()) {
+            starts[f as usize + 1] += 1;
         }
         for i in 1..starts.len() {
             starts[i] += starts[i - 1];
         }
         let mut fill = starts.clone();
         let mut positions = vec![0u32; starts[file_count] as usize];
-        for (offset, &f) in stream.iter().enumerate() {
-            if f != Layout::NO_FILE {
+        for (offset, f) in stream.iter().enumerate() {
+            if let Some(f) = f.get() {
                 positions[fill[f as usize] as usize] = offset as u32;
                 fill[f as usize] += 1;
             }
@@ -86,6 +84,11 @@ impl EpochPlan {
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> u64 {
         self.stream.len() as u64
+    }
+
+    /// The file read at `offset`; `None` past the end or for a sample stagefs cannot serve.
+    pub fn file_at(&self, offset: u64) -> Option<FileId> {
+        self.stream.get(offset as usize).and_then(|f| f.get())
     }
 
     /// Heap memory of this epoch's plan, in bytes.
@@ -225,9 +228,9 @@ impl Plan {
         self.epochs.lock().recent.retain(|p| p.epoch >= epoch);
     }
 
-    /// Node stream of `epoch` as file ids, without the inverse index (for resynchronisation
-    /// scans, which look at many epochs once).
-    pub fn stream(&self, epoch: u64) -> Vec<FileId> {
+    /// Node stream of `epoch`, without the inverse index (for resynchronisation scans, which
+    /// look at many epochs once).
+    pub fn stream(&self, epoch: u64) -> Vec<MaybeFile> {
         // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
         let indices = self
@@ -239,7 +242,15 @@ impl Plan {
                 );
                 Vec::new()
             });
-        indices.into_iter().map(|i| self.layout.file(i)).collect()
+        indices
+            .into_iter()
+            .map(|i| MaybeFile::new(self.layout.file_of(i)))
+            .collect()
+    }
+
+    /// The files `epoch` reads, in order, leaving out samples that cannot be served.
+    pub fn files(&self, epoch: u64) -> Vec<FileId> {
+        self.stream(epoch).iter().filter_map(|f| f.get()).collect()
     }
 
     fn compute(&self, epoch: u64) -> EpochPlan {
@@ -262,23 +273,11 @@ impl Plan {
         epoch.saturating_mul(self.epoch_len).saturating_add(offset)
     }
 
-    /// File at a global position, computing its epoch's plan if needed.
-    pub fn file_at(&self, pos: Position) -> FileId {
+    /// File at a global position if its epoch is planned already: `None` if it is not,
+    /// `Some(None)` if the sample there cannot be served.
+    pub fn planned_file_at(&self, pos: Position) -> Option<Option<FileId>> {
         let (e, o) = self.split(pos);
-        Self::file_in(&self.epoch(e), o)
-    }
-
-    /// File at a global position if its epoch is planned already.
-    pub fn planned_file_at(&self, pos: Position) -> Option<FileId> {
-        let (e, o) = self.split(pos);
-        self.planned(e).map(|plan| Self::file_in(&plan, o))
-    }
-
-    fn file_in(plan: &EpochPlan, offset: u64) -> FileId {
-        plan.stream
-            .get(offset as usize)
-            .copied()
-            .unwrap_or(Layout::NO_FILE)
+        self.planned(e).map(|plan| plan.file_at(o))
     }
 
     /// Next global position ≥ `from` at which `file` is read, looking no further than the end
@@ -325,7 +324,7 @@ mod tests {
     #[test]
     fn the_next_epoch_counts_only_once_it_is_planned() {
         let p = plan(50);
-        let file = p.stream(1)[0];
+        let file = p.files(1)[0];
         // Where the file is read in epoch 0 does not matter: ask from past its last use.
         let last_in_0 = *p.epoch(0).offsets_of(file).last().unwrap() as u64;
         let from = p.join(0, last_in_0 + 1);
@@ -334,7 +333,7 @@ mod tests {
         assert_eq!(p.planned_file_at(p.join(1, 0)), None);
         p.epoch(1);
         assert_eq!(p.next_use(file, from), p.join(1, 0));
-        assert_eq!(p.planned_file_at(p.join(1, 0)), Some(file));
+        assert_eq!(p.planned_file_at(p.join(1, 0)), Some(Some(file)));
     }
 
     /// Positions of the epoch and the next must fit in 64 bits (the spin of `--epoch

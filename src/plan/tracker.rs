@@ -272,7 +272,7 @@ pub fn find_position(
         let hits: Vec<u64> = stream
             .iter()
             .enumerate()
-            .filter(|(_, f)| wanted.contains(f))
+            .filter(|(_, f)| f.get().is_some_and(|f| wanted.contains(&f)))
             .map(|(o, _)| o as u64)
             .collect();
         // Densest run of hits spanning at most one window (two-pointer sweep).
@@ -309,7 +309,7 @@ mod tests {
     fn an_open_in_an_unplanned_epoch_does_not_wait_for_its_plan() {
         let p = plan(100, SamplerKind::TorchRandom, 7);
         let mut t = Tracker::new(p.clone(), TrackerSettings::default());
-        let next_epoch_first = p.stream(1)[0];
+        let next_epoch_first = p.files(1)[0];
         // Epoch 1 is not planned (stream() does not keep it): no match there, no plan made.
         let _ = t.on_open(next_epoch_first);
         assert!(p.planned(1).is_none());
@@ -334,7 +334,7 @@ mod tests {
             },
         );
         for epoch in 0..3 {
-            for f in p.stream(epoch) {
+            for f in p.files(epoch) {
                 assert!(planned_open(&mut t, f).position.is_some());
             }
             assert_eq!(t.epoch_position(), (epoch + 1, 0));
@@ -352,7 +352,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let stream = p.stream(0);
+        let stream = p.files(0);
         // Two workers alternating batches of 16, each worker's batch read backwards.
         for chunk in stream.chunks(32) {
             let (a, b) = chunk.split_at(chunk.len().min(16));
@@ -376,7 +376,7 @@ mod tests {
         );
         // The loader drops the last 5 samples of each epoch (drop_last batches).
         for epoch in 0..2 {
-            for f in &p.stream(epoch)[..195] {
+            for f in &p.files(epoch)[..195] {
                 planned_open(&mut t, *f);
             }
         }
@@ -395,7 +395,7 @@ mod tests {
             },
         );
         // The job resumed at epoch 5.
-        let stream = p.stream(5);
+        let stream = p.files(5);
         let mut lost_at = None;
         for (i, f) in stream.iter().enumerate().take(100) {
             if planned_open(&mut t, *f).became_lost {
@@ -429,7 +429,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        for f in p.stream(0) {
+        for f in p.files(0) {
             assert!(planned_open(&mut t, f).position.is_some());
         }
         assert_eq!(t.epoch_position(), (1, 0));

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::{Answer, Deferred, FileState, Inner, Job, State};
-use crate::catalog::{FileId, Layout};
+use crate::catalog::FileId;
 use crate::plan::{Position, TrackerMode};
 use crate::stats::Counters;
 
@@ -74,11 +74,10 @@ impl Inner {
         while self.frontier_open(st) {
             let pos = st.frontier;
             // An epoch still being planned: the planner wakes the workers when it is.
-            let file = self.plan.planned_file_at(pos)?;
-            if file == Layout::NO_FILE {
+            let Some(file) = self.plan.planned_file_at(pos)? else {
                 st.frontier += 1;
                 continue;
-            }
+            };
             let size = self.size_of(file);
             let state = st.files.get(file);
             if state != FileState::Remote || st.changed.contains(&file) || size > st.space.capacity
@@ -114,8 +113,7 @@ impl Inner {
         st.frontier = pos;
         // Positions behind the frontier are planned: it only moves over planned epochs.
         st.ahead_bytes = (cursor..pos)
-            .filter_map(|p| self.plan.planned_file_at(p))
-            .filter(|&f| f != Layout::NO_FILE)
+            .filter_map(|p| self.plan.planned_file_at(p).flatten())
             .map(|f| self.size_of(f))
             .sum();
     }

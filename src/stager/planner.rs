@@ -9,7 +9,6 @@ use std::time::Duration;
 use parking_lot::MutexGuard;
 
 use super::{Inner, State};
-use crate::catalog::Layout;
 use crate::plan::{NEVER, Position, TrackerMode};
 
 /// Files rekeyed per hold of the state lock after a new epoch is planned: about a millisecond
@@ -78,10 +77,9 @@ impl Inner {
             };
             let end = (to - pos).min(plan.len() - offset);
             for off in offset..offset + end {
-                let file = plan.stream[off as usize];
-                if file == Layout::NO_FILE {
+                let Some(file) = plan.file_at(off) else {
                     continue;
-                }
+                };
                 if pos + (off - offset) < st.frontier {
                     st.ahead_bytes = st.ahead_bytes.saturating_sub(self.size_of(file));
                 }

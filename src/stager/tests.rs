@@ -6,6 +6,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc;
+use std::time::Instant;
 
 use proptest::prelude::*;
 
@@ -249,7 +250,7 @@ impl Harness {
     /// Reads one epoch of the node stream like a DataLoader: `workers` threads each take
     /// every `workers`-th batch, read it in order, then "compute" for `compute`.
     fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
-        let stream = self.plan.stream(epoch);
+        let stream = self.plan.files(epoch);
         let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
         std::thread::scope(|s| {
             for w in 0..workers {
@@ -402,7 +403,7 @@ fn source_errors_reach_only_that_file_and_staging_carries_on() {
         started.elapsed()
     );
     assert!(h.get(&h.counters.errors) >= 1);
-    for &f in h.plan.stream(0).iter().filter(|&&f| f != bad) {
+    for &f in h.plan.files(0).iter().filter(|&&f| f != bad) {
         h.check(f);
     }
     // The source heals: the same file now reads fine.
@@ -454,7 +455,7 @@ fn a_file_changed_on_the_source_is_refused_at_once_and_staging_goes_on() {
     // No pause: everything else is staged and served.
     assert!(h.eventually(|| h.get(&h.counters.staged_files) == 57));
     let changed = [h.file_of[10], h.file_of[20], h.file_of[30]];
-    for &f in h.plan.stream(0).iter().filter(|f| !changed.contains(f)) {
+    for &f in h.plan.files(0).iter().filter(|f| !changed.contains(f)) {
         h.check(f);
     }
     assert_eq!(h.get(&h.counters.hits), 57);
@@ -509,7 +510,7 @@ fn a_broken_source_pauses_staging_which_resumes_by_itself() {
     setup.retries = 0;
     setup.source_broken = true;
     let h = setup.build();
-    let first = h.plan.stream(0)[0];
+    let first = h.plan.files(0)[0];
     assert_eq!(h.read(first), Err(libc::EIO));
     let opens_while_broken = h.source.opens.load(Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(300));
@@ -520,7 +521,7 @@ fn a_broken_source_pauses_staging_which_resumes_by_itself() {
         h.eventually(|| h.get(&h.counters.staged_files) >= 59),
         "staging resumed"
     );
-    for &f in &h.plan.stream(0) {
+    for &f in &h.plan.files(0) {
         h.check(f);
     }
 }
@@ -541,7 +542,7 @@ fn a_resumed_job_is_never_an_error_and_is_found_again() {
     setup.min = 10;
     setup.max = 100;
     let h = setup.build();
-    let truth = h.plan.stream(3);
+    let truth = h.plan.files(3);
     for &f in &truth[..200] {
         h.check(f);
     }
@@ -821,7 +822,7 @@ proptest! {
                 let (h, versions, errors) = (&h, &versions, &errors);
                 s.spawn(move || {
                     for epoch in 0..2 {
-                        for (k, &f) in h.plan.stream(epoch).iter().enumerate() {
+                        for (k, &f) in h.plan.files(epoch).iter().enumerate() {
                             if k as u64 % 2 != reader {
                                 continue;
                             }

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::Snapshot;
-use crate::cache::write_atomically;
+use crate::files::write_atomically;
 
 /// node_exporter scrapes every 15 s by default; writing every 5 s keeps values fresh
 /// without measurable cost.

@@ -1,0 +1,198 @@
+//! Copying a file into the cache and reading a previous mount's copy back: the copy goes to
+//! `tmp/`, is checked against the catalog, gets its checksum attribute and source mtime, and
+//! only then is renamed under `data/`; a reused copy is served only if its bytes still match.
+
+use std::ffi::CStr;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use super::{CacheDir, CacheError, CopyError, io_err};
+use crate::catalog::{Catalog, Entry, FileId};
+use crate::files::open_nofollow;
+
+/// Copy buffer: large enough that a parallel file system sees big sequential reads, small
+/// enough that 16–64 concurrent copies stay well under 100 MB of memory.
+const COPY_BUFFER: usize = 1 << 20;
+/// The attribute holding a cached file's checksum, set on the temporary file before the
+/// rename, so a file under `data/` has its checksum from its first instant.
+pub(super) const SUM_XATTR: &CStr = c"user.stagefs.sum";
+/// First byte of the attribute's value (then the xxh3-128 of the content, little-endian):
+/// a later format is not mistaken for this one.
+const SUM_FORMAT: u8 = 1;
+const SUM_LEN: usize = 1 + 16;
+
+impl CacheDir {
+    /// Opens the cached copy of `file` that a previous mount left, after checking its
+    /// bytes against the checksum recorded when it was staged. Reads the whole file: call it
+    /// without holding locks others wait on.
+    pub fn open_verified(&self, catalog: &Catalog, file: FileId) -> Result<File, CacheError> {
+        let path = self.path_for(catalog, file);
+        let mut file = open_nofollow(&path).map_err(io_err(&path))?;
+        let recorded = read_checksum(&file).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
+        let mut hasher = Xxh3::new();
+        let mut buf = vec![0u8; COPY_BUFFER];
+        loop {
+            match file.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => hasher.update(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(&path)(e)),
+            }
+        }
+        if hasher.digest128() != recorded {
+            return Err(CacheError::Corrupt(path));
+        }
+        file.rewind().map_err(io_err(&path))?;
+        Ok(file)
+    }
+
+    /// Copies the source file `src`, opened and checked against the catalog by the caller,
+    /// into the cache as the complete, verified copy of catalog file `file`.
+    pub fn stage(&self, mut src: File, catalog: &Catalog, file: FileId) -> Result<u64, CopyError> {
+        let source = &catalog.source_path(file);
+        let entry = catalog.entry(file).expect("a catalog file");
+        let tmp_path = self.tmp.join(format!(
+            "{}.{}",
+            std::process::id(),
+            self.temp_seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        let result = self.copy_to_temp(&mut src, source, &tmp_path, entry);
+        match result {
+            Ok(n) => {
+                let dest = self.path_for(catalog, file);
+                fs::rename(&tmp_path, &dest).map_err(|e| {
+                    let _ = fs::remove_file(&tmp_path);
+                    cache_err(e)
+                })?;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp_path);
+                Err(e)
+            }
+        }
+    }
+
+    fn copy_to_temp(
+        &self,
+        src: &mut File,
+        source: &Path,
+        tmp_path: &Path,
+        entry: &Entry,
+    ) -> Result<u64, CopyError> {
+        let src_err = source_err(source);
+        let mut out = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(tmp_path)
+            .map_err(cache_err)?;
+        let mut buf = vec![0u8; COPY_BUFFER.min(entry.size.max(1) as usize)];
+        let mut copied = 0u64;
+        // Hashed as copied, from the very bytes written: no second read of either file.
+        let mut hasher = Xxh3::new();
+        loop {
+            let n = match src.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(src_err(e)),
+            };
+            out.write_all(&buf[..n]).map_err(cache_err)?;
+            hasher.update(&buf[..n]);
+            copied += n as u64;
+        }
+        // The source must still be the file we catalogued, or the copy could mix versions.
+        if copied != entry.size || !entry.is_unchanged(&src.metadata().map_err(src_err)?) {
+            return Err(CopyError::SourceChanged(source.to_path_buf()));
+        }
+        self.record_checksum(&out, hasher.digest128())?;
+        let mtime = libc::timespec {
+            tv_sec: entry.mtime_secs,
+            tv_nsec: entry.mtime_nanos as i64,
+        };
+        let times = [
+            libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+            mtime,
+        ];
+        // SAFETY: valid fd and a two-element timespec array as futimens requires.
+        if unsafe { libc::futimens(out.as_raw_fd(), times.as_ptr()) } != 0 {
+            return Err(cache_err(io::Error::last_os_error()));
+        }
+        Ok(copied)
+    }
+
+    /// Sets the checksum attribute of a copy. A cache file system without user attributes
+    /// still caches, but a remount cannot check those files and stages them again.
+    fn record_checksum(&self, out: &File, sum: u128) -> Result<(), CopyError> {
+        let mut value = [0u8; SUM_LEN];
+        value[0] = SUM_FORMAT;
+        value[1..].copy_from_slice(&sum.to_le_bytes());
+        // SAFETY: valid fd, NUL-terminated name, and a value buffer of the length given.
+        let rc = unsafe {
+            libc::fsetxattr(
+                out.as_raw_fd(),
+                SUM_XATTR.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENOTSUP) {
+            return Err(cache_err(e));
+        }
+        if !self.no_xattrs.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "the cache file system does not support user extended attributes: files cached now cannot be checked by a later mount, which will stage them again"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The checksum recorded on a cached file, if it has one in a format this version knows.
+fn read_checksum(file: &File) -> Option<u128> {
+    let mut value = [0u8; SUM_LEN];
+    // SAFETY: valid fd, NUL-terminated name, and a buffer of the length given.
+    let n = unsafe {
+        libc::fgetxattr(
+            file.as_raw_fd(),
+            SUM_XATTR.as_ptr(),
+            value.as_mut_ptr().cast(),
+            value.len(),
+        )
+    };
+    if n != SUM_LEN as isize || value[0] != SUM_FORMAT {
+        return None;
+    }
+    Some(u128::from_le_bytes(value[1..].try_into().ok()?))
+}
+
+/// Maps a read error on the source file at `path` (retried by the stager, unlike cache errors).
+fn source_err(path: &Path) -> impl Fn(io::Error) -> CopyError + '_ {
+    move |source| CopyError::Source {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn cache_err(e: io::Error) -> CopyError {
+    if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
+        CopyError::NoSpace
+    } else {
+        CopyError::Cache(e)
+    }
+}

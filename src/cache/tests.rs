@@ -1,0 +1,293 @@
+//! Tests of the cache directory: which directories are refused (untouched), planted links,
+//! the manifest's round trip, and serving a reused copy only if its checksum matches.
+
+use std::ffi::OsStr;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+
+use super::stage::SUM_XATTR;
+use super::*;
+use crate::sys::euid;
+
+/// Found by fuzz/cache_manifest: a SOURCE path that is not UTF-8 made `to_bytes` panic,
+/// so mounting such a source killed the daemon at start.
+#[test]
+fn any_source_path_round_trips() {
+    for raw in [&b"/data/set"[..], b"/data/caf\xe9", b"\xac", b"/x/\"q\"\n"] {
+        let source = Path::new(OsStr::from_bytes(raw));
+        let read = Manifest::parse(&Manifest::for_source(source).to_bytes()).unwrap();
+        assert!(read.holds(source), "{source:?}");
+        assert!(!read.holds(&source.join("x")));
+    }
+    // Format 1 as written before: a plain string.
+    let old = br#"{"format": 1, "source": "/data/set"}"#;
+    assert!(Manifest::parse(old).unwrap().holds(Path::new("/data/set")));
+    for junk in [
+        &b""[..],
+        b"{",
+        b"[]",
+        br#"{"format": 1}"#,
+        br#"{"format": -1, "source": "/"}"#,
+    ] {
+        assert_eq!(Manifest::parse(junk), None, "{junk:?}");
+    }
+}
+
+#[test]
+fn cache_files_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("cache");
+    let _cache = CacheDir::open(&root, Path::new("/src")).unwrap();
+    for (name, want) in [
+        ("", 0o700),
+        (OWN_DIR, 0o700),
+        ("stagefs/data", 0o700),
+        ("stagefs/lock", 0o600),
+        ("stagefs/manifest.json", 0o600),
+    ] {
+        let mode = fs::metadata(root.join(name)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, want, "{name}: {mode:o}");
+    }
+    let entries: Vec<_> = fs::read_dir(&root).unwrap().flatten().collect();
+    assert_eq!(entries.len(), 1, "everything in CACHE/{OWN_DIR}");
+}
+
+fn mode_of(path: &Path) -> u32 {
+    fs::symlink_metadata(path).unwrap().mode() & 0o7777
+}
+
+fn chmod(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// A directory that is not stagefs's is refused as it is: nothing in it deleted, its mode
+/// unchanged, nothing created in it.
+fn assert_refused(root: &Path, why: &str) -> CacheError {
+    let mode = fs::symlink_metadata(root).map(|m| m.mode()).ok();
+    let listing = |r: &Path| -> Vec<OsString> {
+        let mut v: Vec<_> = fs::read_dir(r)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let before = listing(root);
+    let err = match check_root(root) {
+        Ok(()) => panic!("{why}: check_root accepted {}", root.display()),
+        Err(e) => e,
+    };
+    let opened = CacheDir::open(root, Path::new("/src"));
+    assert!(opened.is_err(), "{why}: CacheDir::open accepted it");
+    assert_eq!(
+        fs::symlink_metadata(root).map(|m| m.mode()).ok(),
+        mode,
+        "{why}"
+    );
+    assert_eq!(listing(root), before, "{why}");
+    err
+}
+
+#[test]
+fn a_directory_that_is_not_stagefs_is_refused_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The user's own files.
+    let root = tmp.path().join("mine");
+    fs::create_dir_all(root.join("data/ab")).unwrap();
+    fs::create_dir(root.join("tmp")).unwrap();
+    fs::write(root.join("data/ab/thesis.tex"), b"years of work").unwrap();
+    let e = assert_refused(&root, "user's data/ and tmp/");
+    assert!(matches!(e, CacheError::Foreign { .. }), "{e}");
+    assert!(root.join("data/ab/thesis.tex").exists());
+    // World-writable (sticky or not) and group-writable.
+    for mode in [0o1777, 0o777, 0o770] {
+        let root = tmp.path().join(format!("shared{mode:o}"));
+        fs::create_dir(&root).unwrap();
+        chmod(&root, mode);
+        let e = assert_refused(&root, "writable by others");
+        assert!(matches!(e, CacheError::Shared { .. }), "{e}");
+        assert_eq!(mode_of(&root), mode);
+    }
+    // Someone else's (needs root to make, as the daemon runs).
+    if euid() == 0 {
+        let root = tmp.path().join("theirs");
+        fs::create_dir(&root).unwrap();
+        std::os::unix::fs::chown(&root, Some(65534), Some(65534)).unwrap();
+        let e = assert_refused(&root, "owned by nobody");
+        assert!(
+            matches!(e, CacheError::NotOwned { owner: 65534, .. }),
+            "{e}"
+        );
+    }
+    // A link, even to a good directory, and a file.
+    let good = tmp.path().join("good");
+    fs::create_dir(&good).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&good, &link).unwrap();
+    let e = assert_refused(&link, "symlink");
+    assert!(matches!(e, CacheError::Symlink(_)), "{e}");
+    assert_eq!(
+        fs::read_dir(&good).unwrap().count(),
+        0,
+        "link target untouched"
+    );
+    let file = tmp.path().join("file");
+    fs::write(&file, b"x").unwrap();
+    let e = assert_refused(&file, "file");
+    assert!(matches!(e, CacheError::NotADirectory(_)), "{e}");
+    // An old stagefs layout, and a stagefs directory without a manifest.
+    let old = tmp.path().join("old");
+    fs::create_dir_all(old.join("data")).unwrap();
+    fs::write(old.join(OLD_MANIFEST), b"{}").unwrap();
+    let e = assert_refused(&old, "old layout");
+    assert!(matches!(e, CacheError::OldLayout(_)), "{e}");
+    let bare = tmp.path().join("bare");
+    fs::create_dir_all(bare.join("stagefs/data")).unwrap();
+    let e = assert_refused(&bare, "no manifest");
+    assert!(matches!(e, CacheError::NoManifest(_)), "{e}");
+}
+
+#[test]
+fn parents_others_could_change_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let open_parent = tmp.path().join("open");
+    fs::create_dir(&open_parent).unwrap();
+    chmod(&open_parent, 0o777);
+    let root = open_parent.join("sub/cache");
+    let e = check_root(&root).unwrap_err();
+    assert!(matches!(e, CacheError::UnsafeParent { .. }), "{e}");
+    assert!(CacheDir::open(&root, Path::new("/src")).is_err());
+    assert!(!open_parent.join("sub").exists(), "nothing created");
+    // Through a link from a safe place: the real parent counts.
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&open_parent, &link).unwrap();
+    assert!(check_root(&link.join("cache")).is_err());
+    // Sticky, as /tmp: others cannot replace what is ours.
+    chmod(&open_parent, 0o1777);
+    check_root(&root).unwrap();
+    drop(CacheDir::open(&root, Path::new("/src")).unwrap());
+    if euid() == 0 {
+        let theirs = tmp.path().join("theirs");
+        fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+        let e = check_root(&theirs.join("cache")).unwrap_err();
+        assert!(
+            matches!(e, CacheError::UnsafeParent { owner: 65534, .. }),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn an_empty_or_stagefs_directory_is_accepted_and_keeps_its_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("empty");
+    fs::create_dir(&root).unwrap();
+    chmod(&root, 0o755);
+    drop(CacheDir::open(&root, Path::new("/src")).unwrap());
+    assert_eq!(
+        mode_of(&root),
+        0o755,
+        "not chmod'ed: stagefs did not create it"
+    );
+    // Its own directory, left empty by a stagefs that stopped at once.
+    fs::remove_dir_all(root.join(OWN_DIR)).unwrap();
+    fs::create_dir(root.join(OWN_DIR)).unwrap();
+    drop(CacheDir::open(&root, Path::new("/src")).unwrap());
+    check_root(&root).unwrap();
+}
+
+#[test]
+fn planted_links_are_not_followed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("cache");
+    drop(CacheDir::open(&root, Path::new("/src")).unwrap());
+    let victim = tmp.path().join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    let own = root.join(OWN_DIR);
+    fs::remove_file(own.join(LOCK)).unwrap();
+    std::os::unix::fs::symlink(&victim, own.join(LOCK)).unwrap();
+    assert!(
+        CacheDir::open(&root, Path::new("/src")).is_err(),
+        "lock link"
+    );
+    fs::remove_file(own.join(LOCK)).unwrap();
+    fs::remove_file(own.join(MANIFEST)).unwrap();
+    std::os::unix::fs::symlink(&victim, own.join(MANIFEST)).unwrap();
+    assert!(Manifest::read(&own).is_none(), "manifest link");
+    assert_eq!(fs::read(&victim).unwrap(), b"precious");
+}
+
+/// A one-file source and its catalog, for staging.
+fn source_with(content: &[u8]) -> (tempfile::TempDir, Catalog, FileId) {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::create_dir(tmp.path().join("src")).unwrap();
+    fs::write(tmp.path().join("src/f"), content).unwrap();
+    let catalog = Catalog::scan(&tmp.path().join("src"), 1).unwrap();
+    let id = catalog.files().next().unwrap();
+    (tmp, catalog, id)
+}
+
+fn stage(cache: &CacheDir, catalog: &Catalog, id: FileId) {
+    let path = catalog.source_path(id);
+    cache
+        .stage(File::open(&path).unwrap(), catalog, id)
+        .unwrap();
+}
+
+#[test]
+fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
+    let (tmp, catalog, id) = source_with(b"the dataset's bytes");
+    let root = tmp.path().join("cache");
+    let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
+    stage(&cache, &catalog, id);
+    let mut served = String::new();
+    let mut f = cache.open_verified(&catalog, id).unwrap();
+    f.read_to_string(&mut served).unwrap();
+    assert_eq!(served, "the dataset's bytes", "from the start of the file");
+    assert_eq!(cache.reuse(&catalog), vec![(id, 19)]);
+
+    // Changed in place, size kept: the size and mtime check cannot see it.
+    let path = cache.path_for(&catalog, id);
+    let mut w = OpenOptions::new().write(true).open(&path).unwrap();
+    w.write_all(b"THE").unwrap();
+    let e = cache.open_verified(&catalog, id).unwrap_err();
+    assert!(matches!(e, CacheError::Corrupt(_)), "{e}");
+
+    // No checksum at all (planted, or staged where attributes are not supported).
+    stage(&cache, &catalog, id);
+    cache.open_verified(&catalog, id).unwrap();
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid C strings.
+    let removed = unsafe { libc::removexattr(c.as_ptr(), SUM_XATTR.as_ptr()) };
+    assert_eq!(removed, 0);
+    let e = cache.open_verified(&catalog, id).unwrap_err();
+    assert!(matches!(e, CacheError::NoChecksum(_)), "{e}");
+
+    // Not through a link, whatever it points to.
+    fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(catalog.source_path(id), &path).unwrap();
+    assert!(cache.open_verified(&catalog, id).is_err());
+    assert!(cache.open_cached(&catalog, id).is_err());
+    assert_eq!(cache.reuse(&catalog), vec![], "a link is not a cached file");
+}
+
+#[test]
+fn open_empties_a_cache_of_another_non_utf8_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        tmp.path().join(OsStr::from_bytes(b"src\xe9")),
+        tmp.path().join(OsStr::from_bytes(b"src\xe8")),
+    );
+    let root = tmp.path().join("cache");
+    let cache = CacheDir::open(&root, &a).unwrap();
+    let kept = cache.data.join("00/f");
+    fs::write(&kept, b"x").unwrap();
+    drop(cache);
+    drop(CacheDir::open(&root, &a).unwrap());
+    assert!(kept.exists(), "same source: files kept");
+    drop(CacheDir::open(&root, &b).unwrap());
+    assert!(!kept.exists(), "another source: emptied");
+}

@@ -1,0 +1,484 @@
+//! The FUSE adapter: [`StageFs`] implements [`fuser::Filesystem`] over [`DatasetFs`] and only
+//! converts (requests to [`Caller`]s, [`FsError`]s to errnos, [`Attr`]s to [`FileAttr`]s,
+//! answers to replies) and picks what the protocol alone decides: TTLs, open flags, and the
+//! answers to requests the core has no part in (flush, fsync, ioctl, the modifying ones).
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+
+use super::access::Caller;
+use super::dataset::{Attr, DatasetFs, MountedDataset};
+use super::error::FsError;
+use super::opens::OpenReply;
+use super::xattr::Xattr;
+use crate::catalog::Kind;
+use crate::stats::Snapshot;
+
+/// The dataset does not change while mounted, so the kernel may keep attributes and entries
+/// (positive and negative) for as long as it likes; a day bounds it in case it ever does.
+const TTL: Duration = Duration::from_secs(24 * 3600);
+
+pub struct StageFs {
+    core: DatasetFs<BackingId>,
+}
+
+impl StageFs {
+    pub fn new(data: Arc<MountedDataset>) -> StageFs {
+        StageFs {
+            core: DatasetFs::new(data),
+        }
+    }
+
+    /// Shared flag so stats can report whether passthrough is in use.
+    pub fn passthrough_flag(&self) -> Arc<AtomicBool> {
+        self.core.passthrough_flag()
+    }
+
+    pub fn snapshot(data: &MountedDataset, passthrough: bool) -> Snapshot {
+        data.snapshot(passthrough)
+    }
+}
+
+fn errno(e: FsError) -> Errno {
+    Errno::from_i32(e.errno())
+}
+
+fn read_only() -> Errno {
+    errno(FsError::ReadOnly)
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid: req.pid(),
+    }
+}
+
+fn file_type(kind: Kind) -> FileType {
+    match kind {
+        Kind::Directory => FileType::Directory,
+        Kind::File => FileType::RegularFile,
+        Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Socket => FileType::Socket,
+        Kind::CharDevice => FileType::CharDevice,
+        Kind::BlockDevice => FileType::BlockDevice,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: a.mtime,
+        mtime: a.mtime,
+        ctime: a.mtime,
+        crtime: a.mtime,
+        kind: file_type(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+fn reply_xattr(reply: ReplyXattr, answer: Result<Xattr, FsError>) {
+    match answer {
+        Ok(Xattr::Size(n)) => reply.size(n),
+        Ok(Xattr::Data(bytes)) => reply.data(&bytes),
+        Err(e) => reply.error(errno(e)),
+    }
+}
+
+fn reply_empty(reply: ReplyEmpty, answer: Result<(), FsError>) {
+    match answer {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(e)),
+    }
+}
+
+impl OpenReply for ReplyOpen {
+    type Backing = BackingId;
+
+    fn open_backing(&self, file: &File) -> std::io::Result<BackingId> {
+        ReplyOpen::open_backing(self, file)
+    }
+
+    fn opened(self, fh: u64, backing: Option<&BackingId>) {
+        // The kernel refuses FOPEN_KEEP_CACHE with passthrough (EIO on read): the backing
+        // file's own page cache serves repeated reads instead.
+        match backing {
+            Some(b) => self.opened_passthrough(FileHandle(fh), FopenFlags::empty(), b),
+            None => ReplyOpen::opened(self, FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+        }
+    }
+
+    fn error(self, e: FsError) {
+        ReplyOpen::error(self, errno(e));
+    }
+}
+
+impl Filesystem for StageFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let kernel_can = config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH);
+        self.core
+            .init_passthrough(kernel_can, crate::sys::euid() == 0, || {
+                config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                    && config.set_max_stack_depth(1).is_ok()
+            });
+        let _ = config.set_max_background(64);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.core.lookup(parent.0, name) {
+            Ok(Some(attr)) => reply.entry(&TTL, &file_attr(&attr), Generation(0)),
+            // A zero-inode entry tells the kernel to cache the negative lookup for TTL.
+            Ok(None) => match self.core.getattr(parent.0) {
+                Ok(parent) => {
+                    let mut attr = file_attr(&parent);
+                    attr.ino = INodeNo(0);
+                    reply.entry(&TTL, &attr, Generation(0))
+                }
+                Err(e) => reply.error(errno(e)),
+            },
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.core.getattr(ino.0) {
+            Ok(attr) => reply.attr(&TTL, &file_attr(&attr)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.core.readlink(ino.0) {
+            Ok(target) => reply.data(target.as_bytes()),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.core.open(ino.0, flags.0, caller(req), reply);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.core.read(ino.0, fh.0, offset, size) {
+            Ok(bytes) => reply.data(&bytes),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.core.release(ino.0, fh.0);
+        reply.ok();
+    }
+
+    /// Called at every close(). Nothing is buffered, and ENOSYS makes the kernel stop sending
+    /// flushes for good (it treats them as done): one FUSE round trip less per file a loader
+    /// opens. fuser's default answers the same but logs a warning.
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    /// Nothing is ever written; ENOSYS makes the kernel report every fsync as done without
+    /// asking again.
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.core.opendir(ino.0, caller(req)) {
+            Ok(()) => reply.opened(
+                FileHandle(0),
+                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+            ),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        match self.core.readdir(ino.0, offset) {
+            Ok(entries) => {
+                for e in entries {
+                    let kind = file_type(e.attr.kind);
+                    if reply.add(INodeNo(e.attr.ino), e.next, kind, e.name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        match self.core.readdir(ino.0, offset) {
+            Ok(entries) => {
+                for e in entries {
+                    let attr = file_attr(&e.attr);
+                    if reply.add(attr.ino, e.next, e.name, &TTL, &attr, Generation(0)) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match self.core.statfs() {
+            Ok(s) => reply.statfs(
+                s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+            ),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// Sent only if the mount lacks `default_permissions` (the kernel answers access(2)
+    /// from the mode bits otherwise).
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        reply_empty(reply, self.core.access(ino.0, mask.bits(), caller(req)));
+    }
+
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        reply_xattr(reply, self.core.getxattr(ino.0, name, size, caller(req)));
+    }
+
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        reply_xattr(reply, self.core.listxattr(ino.0, size, caller(req)));
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply_empty(reply, self.core.setxattr(ino.0, name, value));
+    }
+
+    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(read_only());
+    }
+
+    // Everything below would modify the dataset.
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        _size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn mknod(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn unlink(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(read_only());
+    }
+
+    fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(read_only());
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link_name: &OsStr,
+        _target: &Path,
+        reply: ReplyEntry,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        _flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        reply.error(read_only());
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(read_only());
+    }
+
+    /// Every Python `open()` asks whether the file is a terminal (ioctl TCGETS), and the kernel
+    /// does not remember an ENOSYS for ioctl: answer as a regular file does, without fuser's
+    /// "not implemented" warning once per open.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
+    }
+}
