@@ -867,6 +867,7 @@ pub fn start(args: &MountArgs) -> Result<RunningMount, String> {
         started: Instant::now(),
         passthrough_wanted: !args.no_passthrough,
         source_root,
+        control_address: Default::default(),
     });
     let fs_impl = StageFs::new(data.clone());
     let passthrough = fs_impl.passthrough_flag();

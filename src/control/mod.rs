@@ -12,8 +12,10 @@
 //! `{"ok":false,"error":"..."}`. A malformed or refused request changes nothing.
 
 mod protocol;
+mod service;
 
 pub use protocol::{Reply, Request};
+pub use service::{AdmitOther, MAX_ANNOUNCED, MountControl};
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;

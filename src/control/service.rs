@@ -2,11 +2,11 @@
 //! checked against the catalog before they reach the stager.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::{Peer, Reply, Request, Service, Session};
-use crate::catalog::{Catalog, FileId, Kind, Layout};
-use crate::stager::Stager;
+use crate::catalog::{FileId, Kind, Layout};
+use crate::fs::MountedDataset;
 
 /// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
 /// 14 M samples), low enough that a bad client cannot make the daemon allocate without bound.
@@ -19,9 +19,10 @@ pub type AdmitOther = Box<dyn Fn(Peer) -> Result<(), String> + Send + Sync>;
 
 /// The running mount, as its control channel sees it.
 pub struct MountControl {
-    pub catalog: Arc<Catalog>,
+    /// Weak: a client holding its connection open must not keep an unmounted dataset (and
+    /// its stager's threads) alive.
+    pub data: Weak<MountedDataset>,
     pub layout: Arc<Layout>,
-    pub stager: Arc<Stager>,
     /// The mount's owner: the daemon's user.
     pub owner: u32,
     /// For an `--allow-other` mount, whether another user may (None: nobody else).
@@ -44,26 +45,28 @@ impl Service for MountControl {
 
     fn session(&self, _peer: Peer) -> Box<dyn Session> {
         Box::new(ControlSession {
-            catalog: self.catalog.clone(),
+            data: self.data.clone(),
             layout: self.layout.clone(),
-            stager: self.stager.clone(),
             datasets: Vec::new(),
         })
     }
 }
 
 struct ControlSession {
-    catalog: Arc<Catalog>,
+    data: Weak<MountedDataset>,
     layout: Arc<Layout>,
-    stager: Arc<Stager>,
     /// Registered datasets: the file each of their indices reads, if it is on this mount.
     datasets: Vec<Vec<Option<FileId>>>,
 }
 
 impl Session for ControlSession {
     fn handle(&mut self, request: Request) -> Result<Reply, String> {
+        let data = self
+            .data
+            .upgrade()
+            .ok_or("the mount is going away")?;
         match request {
-            Request::Dataset { paths } => self.register(paths),
+            Request::Dataset { paths } => self.register(&data, paths),
             Request::Order {
                 epoch,
                 rank,
@@ -77,12 +80,12 @@ impl Session for ControlSession {
                 }
                 let files = self.files_of(dataset, &indices)?;
                 let count = files.len();
-                self.stager.announce(epoch, rank, files, current)?;
+                data.stager.announce(epoch, rank, files, current)?;
                 Ok(Reply::ok().with("files", count))
             }
             Request::Epoch { epoch } => {
-                self.stager.check_epoch(epoch).map_err(|e| e.to_string())?;
-                self.stager.set_epoch(epoch);
+                data.stager.check_epoch(epoch).map_err(|e| e.to_string())?;
+                data.stager.set_epoch(epoch);
                 Ok(Reply::ok())
             }
         }
@@ -90,7 +93,11 @@ impl Session for ControlSession {
 }
 
 impl ControlSession {
-    fn register(&mut self, paths: Vec<Option<String>>) -> Result<Reply, String> {
+    fn register(
+        &mut self,
+        data: &MountedDataset,
+        paths: Vec<Option<String>>,
+    ) -> Result<Reply, String> {
         if self.datasets.len() >= MAX_DATASETS {
             return Err(format!(
                 "more than {MAX_DATASETS} datasets registered on one connection"
@@ -101,7 +108,7 @@ impl ControlSession {
         }
         let files: Vec<Option<FileId>> = paths
             .iter()
-            .map(|p| p.as_deref().and_then(|p| self.file_at(p)))
+            .map(|p| p.as_deref().and_then(|p| file_at(data, p)))
             .collect();
         let found = files.iter().flatten().count();
         if found == 0 && !paths.is_empty() {
@@ -116,12 +123,6 @@ impl ControlSession {
             .with("files", found))
     }
 
-    /// The regular file `relative` names inside the mount, links followed as the kernel would.
-    fn file_at(&self, relative: &str) -> Option<FileId> {
-        let id = self.catalog.lookup_path(Path::new(relative))?;
-        let id = self.catalog.resolve(id)?;
-        (self.catalog.entry(id)?.kind == Kind::File).then_some(id)
-    }
 
     /// The files `indices` read, in order, through a registered dataset or the mount's layout.
     /// Indices whose file is not on the mount are left out (the job reads them elsewhere).
@@ -145,6 +146,13 @@ impl ControlSession {
         };
         Ok(indices.iter().filter_map(|&i| lookup(i as usize)).collect())
     }
+}
+
+/// The regular file `relative` names inside the mount, links followed as the kernel would.
+fn file_at(data: &MountedDataset, relative: &str) -> Option<FileId> {
+    let catalog = &data.catalog;
+    let id = catalog.resolve(catalog.lookup_path(Path::new(relative))?)?;
+    (catalog.entry(id)?.kind == Kind::File).then_some(id)
 }
 
 fn check_range(indices: &[u64], len: usize, what: &str) -> Result<(), String> {

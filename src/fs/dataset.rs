@@ -10,8 +10,8 @@
 use std::ffi::OsStr;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime};
 
 use super::access::{self, Caller, Gate};
@@ -34,6 +34,8 @@ pub struct MountedDataset {
     /// SOURCE's root, opened before mounting (so it can never lead into the mount): what
     /// permission checks, attributes and statfs are resolved beneath, as the stager's copies.
     pub source_root: Arc<SourceRoot>,
+    /// Where the mount's control channel listens (`user.stagefs.control`), once it does.
+    pub control_address: OnceLock<String>,
 }
 
 impl MountedDataset {

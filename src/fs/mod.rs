@@ -22,4 +22,4 @@ mod tests;
 
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
-pub use xattr::{PID_XATTR, STATE_XATTR, STATS_XATTR, parse_epoch};
+pub use xattr::{CONTROL_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR, parse_epoch};

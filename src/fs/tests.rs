@@ -89,6 +89,7 @@ fn fixture_with(
         started: Instant::now(),
         passthrough_wanted: true,
         source_root: root,
+        control_address: Default::default(),
     });
     Fixture {
         _dir: dir,

@@ -35,14 +35,17 @@ use crate::stats::Snapshot;
 
 pub const PREFIX: &str = "user.stagefs.";
 /// The keys under [`PREFIX`] that commands read: every statistic as JSON (root), the daemon's
-/// pid (root), and a file's or directory's staging state (anywhere).
+/// pid (root), the control socket's address (root), and a file's or directory's staging
+/// state (anywhere).
 const STATS: &str = "stats";
 const PID: &str = "pid";
+const CONTROL: &str = "control";
 const STATE: &str = "state";
 /// The same as the full names `getfattr -n` takes, for the commands that read them.
 pub const STATS_XATTR: &str = "user.stagefs.stats";
 pub const PID_XATTR: &str = "user.stagefs.pid";
 pub const STATE_XATTR: &str = "user.stagefs.state";
+pub const CONTROL_XATTR: &str = "user.stagefs.control";
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
 const MAX_SOURCE_VALUE: usize = 64 * 1024;
 
@@ -168,6 +171,9 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         if id == ROOT {
             if key == PID {
                 return Some(std::process::id().to_string().into_bytes());
+            }
+            if key == CONTROL {
+                return data.control_address.get().map(|a| a.clone().into_bytes());
             }
             let snapshot = data.snapshot(self.passthrough_flag().load(Ordering::Relaxed));
             if let Some(v) = snapshot_value(&snapshot, key) {
@@ -378,7 +384,12 @@ mod tests {
 
     #[test]
     fn full_names_are_the_keys_under_the_prefix() {
-        for (full, key) in [(STATS_XATTR, STATS), (PID_XATTR, PID), (STATE_XATTR, STATE)] {
+        for (full, key) in [
+            (STATS_XATTR, STATS),
+            (PID_XATTR, PID),
+            (STATE_XATTR, STATE),
+            (CONTROL_XATTR, CONTROL),
+        ] {
             assert_eq!(full.strip_prefix(PREFIX), Some(key));
         }
     }

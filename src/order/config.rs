@@ -23,6 +23,8 @@ pub enum SamplerKind {
     Sequential,
     /// An explicit order from `--order-file`.
     List,
+    /// The order the job announces as it goes (the feed hook, `stagefs feed-env`).
+    Feed,
     /// No prediction.
     None,
 }
@@ -37,6 +39,7 @@ impl FromStr for SamplerKind {
             "numpy-generator" => Self::NumpyGenerator,
             "sequential" => Self::Sequential,
             "list" => Self::List,
+            "feed" => Self::Feed,
             "none" => Self::None,
             _ => return Err(OrderError::UnknownSampler(s.to_owned())),
         })
@@ -52,6 +55,7 @@ impl fmt::Display for SamplerKind {
             Self::NumpyGenerator => "numpy-generator",
             Self::Sequential => "sequential",
             Self::List => "list",
+            Self::Feed => "feed",
             Self::None => "none",
         })
     }
@@ -212,7 +216,8 @@ impl SamplerConfig {
     /// Checks the settings against a dataset of `len` samples read by `ranks`.
     pub fn validate(&self, len: u64, ranks: &[u32]) -> Result<(), OrderError> {
         self.validate_ranks(ranks)?;
-        if !self.predicts() {
+        // A fed order is checked as it is announced, against the files it names.
+        if !self.predicts() || self.kind == SamplerKind::Feed {
             return Ok(());
         }
         if len == 0 {
@@ -227,7 +232,7 @@ impl SamplerConfig {
             SamplerKind::NumpyLegacy => self.check_seed(0..1 << 32, "0 and 2^32-1"),
             SamplerKind::NumpyGenerator => self.check_seed(0..1 << 64, "0 and 2^64-1"),
             SamplerKind::List => self.check_list(len),
-            SamplerKind::Sequential | SamplerKind::None => Ok(()),
+            SamplerKind::Sequential | SamplerKind::Feed | SamplerKind::None => Ok(()),
         }
     }
 
@@ -341,7 +346,8 @@ impl SamplerConfig {
             SamplerKind::NumpyGenerator => numpy::generator_order(self.seed as u64, len, epoch),
             SamplerKind::Sequential => (0..len).map(|i| i as u32).collect(),
             SamplerKind::List => self.order_list.as_deref().cloned().unwrap_or_default(),
-            SamplerKind::None => Vec::new(),
+            // Announced orders are the plan's (plan::Feed), in files rather than indices.
+            SamplerKind::Feed | SamplerKind::None => Vec::new(),
         })
     }
 

@@ -22,10 +22,18 @@ const KEPT_EPOCHS: u64 = 4;
 
 #[derive(Default)]
 pub struct Feed {
-    /// epoch → rank → files in order.
-    epochs: Mutex<BTreeMap<u64, BTreeMap<u32, Arc<[FileId]>>>>,
-    /// Bumped by every announcement.
+    epochs: Mutex<BTreeMap<u64, Announced>>,
+    /// Counts announcements: each one's number is its epoch's version.
     version: AtomicU64,
+}
+
+/// What the ranks announced for one epoch.
+#[derive(Default)]
+struct Announced {
+    /// The number of the latest announcement (see [`Feed::version_of`]).
+    version: u64,
+    /// rank → files in order.
+    ranks: BTreeMap<u32, Arc<[FileId]>>,
 }
 
 impl Feed {
@@ -33,16 +41,17 @@ impl Feed {
     /// Returns the node stream's new length for that epoch. Epochs far from it go.
     pub fn announce(&self, epoch: u64, rank: u32, files: Vec<FileId>) -> u64 {
         let mut epochs = self.epochs.lock();
-        let ranks = epochs.entry(epoch).or_default();
-        ranks.insert(rank, files.into());
-        let len = ranks.values().map(|f| f.len() as u64).sum();
+        let announced = epochs.entry(epoch).or_default();
+        announced.ranks.insert(rank, files.into());
+        announced.version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
+        let len = announced.ranks.values().map(|f| f.len() as u64).sum();
         epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
-        self.version.fetch_add(1, Ordering::SeqCst);
         len
     }
 
-    pub fn version(&self) -> u64 {
-        self.version.load(Ordering::SeqCst)
+    /// Changes whenever `epoch` is announced: a plan built from an older version is stale.
+    pub fn version_of(&self, epoch: u64) -> u64 {
+        self.epochs.lock().get(&epoch).map_or(0, |a| a.version)
     }
 
     /// Whether anything was announced yet.
@@ -55,14 +64,14 @@ impl Feed {
         self.epochs
             .lock()
             .get(&epoch)
-            .map(|r| r.keys().copied().collect())
+            .map(|a| a.ranks.keys().copied().collect())
             .unwrap_or_default()
     }
 
     /// The node's stream of `epoch`: its ranks' streams in lock-step (empty if unannounced).
     pub fn node_stream(&self, epoch: u64) -> Vec<FileId> {
         let streams: Vec<Arc<[FileId]>> = match self.epochs.lock().get(&epoch) {
-            Some(ranks) => ranks.values().cloned().collect(),
+            Some(announced) => announced.ranks.values().cloned().collect(),
             None => return Vec::new(),
         };
         let longest = streams.iter().map(|s| s.len()).max().unwrap_or(0);
@@ -82,10 +91,12 @@ mod tests {
     fn ranks_merge_in_lock_step_and_the_newest_announcement_counts() {
         let feed = Feed::default();
         assert!(feed.is_empty() && feed.node_stream(0).is_empty());
+        assert_eq!(feed.version_of(0), 0);
         assert_eq!(feed.announce(0, 1, vec![10, 11, 12]), 3);
-        let v = feed.version();
+        let v = feed.version_of(0);
         assert_eq!(feed.announce(0, 0, vec![1, 2]), 5);
-        assert!(feed.version() > v);
+        assert!(feed.version_of(0) > v);
+        assert_eq!(feed.version_of(1), 0);
         assert_eq!(feed.node_stream(0), [1, 10, 2, 11, 12]);
         assert_eq!(feed.announce(0, 0, vec![3]), 4);
         assert_eq!(feed.node_stream(0), [3, 10, 11, 12]);

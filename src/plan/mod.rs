@@ -9,16 +9,19 @@
 //! Computing one takes long at scale (up to seconds for 14 M samples), so the stager plans
 //! the next epoch off its lock and asks [`Plan::planned`], which never computes.
 
+mod feed;
 mod tracker;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::catalog::{FileId, Layout, MaybeFile};
-use crate::order::{OrderError, SamplerConfig};
+use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
+pub use feed::Feed;
 pub use tracker::{Tracker, TrackerMode, TrackerSettings, find_position};
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
@@ -48,6 +51,8 @@ impl Epochs {
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
     pub epoch: u64,
+    /// The announcement it was built from ([`Feed::version_of`]; 0 for a computed order).
+    built_from: u64,
     /// File read at each offset of the epoch.
     stream: Vec<MaybeFile>,
     /// `positions[starts[f]..starts[f + 1]]` are the offsets (ascending) where file f is read.
@@ -56,7 +61,7 @@ pub struct EpochPlan {
 }
 
 impl EpochPlan {
-    fn build(epoch: u64, stream: Vec<MaybeFile>, file_count: usize) -> EpochPlan {
+    fn build(epoch: u64, built_from: u64, stream: Vec<MaybeFile>, file_count: usize) -> EpochPlan {
         // Counting sort: a CSR index in two passes, no per-file allocation.
         let mut starts = vec![0u32; file_count + 1];
         for f in stream.iter().filter_map(|f| f.get()) {
@@ -75,6 +80,7 @@ impl EpochPlan {
         }
         EpochPlan {
             epoch,
+            built_from,
             stream,
             starts,
             positions,
@@ -122,7 +128,12 @@ pub struct Plan {
     layout: Arc<Layout>,
     /// Number of catalog entries (file ids are below this).
     id_space: usize,
-    epoch_len: u64,
+    /// Positions per epoch. Fixed by the first epoch for computed orders; for a fed order,
+    /// 0 until the first announcement, then grown (under the stager's lock, which moves the
+    /// tracker to the new coordinates) when an announcement would not fit.
+    epoch_len: AtomicU64,
+    /// `--sampler feed`: what the job announced.
+    feed: Option<Feed>,
     epochs: Mutex<Epochs>,
     /// Signalled when an epoch finishes building.
     built: Condvar,
@@ -136,30 +147,68 @@ impl Plan {
         id_space: usize,
     ) -> Result<Plan, OrderError> {
         sampler.validate(layout.len() as u64, &ranks)?;
-        let mut plan = Plan {
+        let fed = sampler.kind == SamplerKind::Feed;
+        let plan = Plan {
             sampler,
             ranks,
             layout,
             id_space,
-            epoch_len: 0,
+            epoch_len: AtomicU64::new(0),
+            feed: fed.then(Feed::default),
             epochs: Mutex::new(Epochs::default()),
             built: Condvar::new(),
         };
         // Samplers that give every rank the same order yield one stream per node, the
         // distributed one a merge of the local ranks: the first epoch says which.
-        if plan.sampler.predicts() {
-            plan.epoch_len = plan.epoch(0).len();
+        if plan.sampler.predicts() && !fed {
+            let len = plan.epoch(0).len();
+            plan.epoch_len.store(len, Ordering::SeqCst);
         }
         Ok(plan)
     }
 
     pub fn predicts(&self) -> bool {
-        self.sampler.predicts() && self.epoch_len > 0
+        self.sampler.predicts() && self.epoch_len() > 0
     }
 
     /// Positions per epoch on this node (all local ranks together).
     pub fn epoch_len(&self) -> u64 {
-        self.epoch_len
+        self.epoch_len.load(Ordering::Relaxed)
+    }
+
+    /// Whether the order is the job's announcements (`--sampler feed`).
+    pub fn is_fed(&self) -> bool {
+        self.feed.is_some()
+    }
+
+    /// Ranks that announced `epoch` (none unless fed).
+    pub fn fed_ranks(&self, epoch: u64) -> Vec<u32> {
+        self.feed.as_ref().map(|f| f.ranks(epoch)).unwrap_or_default()
+    }
+
+    /// Takes what `rank` announced it reads in `epoch`. Returns whether the epoch length grew
+    /// to fit it: positions then mean other places, and the caller (holding the stager's lock)
+    /// must move the tracker to the new coordinates before anyone uses one.
+    pub fn announce(&self, epoch: u64, rank: u32, files: Vec<FileId>) -> bool {
+        let Some(feed) = &self.feed else {
+            return false;
+        };
+        let len = feed.announce(epoch, rank, files);
+        if len <= self.epoch_len() {
+            return false;
+        }
+        // Room for every file once or more, so a job's later, longer epochs (another loader,
+        // more ranks announcing) rarely grow it again; a power of two keeps it stable.
+        let grown = len.max(self.id_space as u64).next_power_of_two();
+        self.epoch_len.store(grown, Ordering::SeqCst);
+        true
+    }
+
+    /// The announcement version `plan` must have been built from to be current.
+    fn is_current(&self, plan: &EpochPlan) -> bool {
+        self.feed
+            .as_ref()
+            .is_none_or(|f| plan.built_from >= f.version_of(plan.epoch))
     }
 
     pub fn sampler(&self) -> &SamplerConfig {
@@ -178,24 +227,27 @@ impl Plan {
         // walks ~2^64 positions to catch up.
         if epoch
             .checked_add(2)
-            .and_then(|e| e.checked_mul(self.epoch_len))
+            .and_then(|e| e.checked_mul(self.epoch_len()))
             .is_none()
         {
             return Err(OrderError::EpochTooLarge {
                 epoch,
-                epoch_len: self.epoch_len,
+                epoch_len: self.epoch_len(),
             });
         }
         self.sampler
             .check_epoch_reachable(self.layout.len() as u64, epoch)
     }
 
-    /// The plan of `epoch`, computed on first use and kept among the last few. Single-flight:
-    /// a caller asking for an epoch another thread is computing waits for that result.
+    /// The plan of `epoch`, computed on first use (or when a newer announcement made it
+    /// stale) and kept among the last few. Single-flight: a caller asking for an epoch another
+    /// thread is computing waits for that result.
     pub fn epoch(&self, epoch: u64) -> Arc<EpochPlan> {
         let mut epochs = self.epochs.lock();
         loop {
-            if let Some(p) = epochs.get(epoch) {
+            if let Some(p) = epochs.get(epoch)
+                && self.is_current(&p)
+            {
                 return p;
             }
             if !epochs.building.contains(&epoch) {
@@ -208,6 +260,8 @@ impl Plan {
         let plan = Arc::new(self.compute(epoch));
         let mut epochs = self.epochs.lock();
         epochs.building.retain(|&e| e != epoch);
+        // A stale plan stays in use until this one replaces it: the tracker keeps matching.
+        epochs.recent.retain(|p| p.epoch != epoch);
         if epochs.recent.len() >= CACHED_EPOCHS {
             epochs.recent.pop_front();
         }
@@ -231,6 +285,11 @@ impl Plan {
     /// Node stream of `epoch`, without the inverse index (for resynchronisation scans, which
     /// look at many epochs once).
     pub fn stream(&self, epoch: u64) -> Vec<MaybeFile> {
+        if let Some(feed) = &self.feed {
+            let mut files = feed.node_stream(epoch);
+            files.truncate(self.epoch_len() as usize);
+            return files.into_iter().map(MaybeFile::from).collect();
+        }
         // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
         let indices = self
@@ -255,7 +314,9 @@ impl Plan {
 
     fn compute(&self, epoch: u64) -> EpochPlan {
         let started = std::time::Instant::now();
-        let plan = EpochPlan::build(epoch, self.stream(epoch), self.id_space);
+        // Read before the stream: an announcement racing with this makes the plan stale.
+        let version = self.feed.as_ref().map_or(0, |f| f.version_of(epoch));
+        let plan = EpochPlan::build(epoch, version, self.stream(epoch), self.id_space);
         log::debug!(
             "planned epoch {epoch}: {} positions in {:.1?}",
             plan.len(),
@@ -266,11 +327,12 @@ impl Plan {
 
     /// Converts a global position to (epoch, offset).
     pub fn split(&self, pos: Position) -> (u64, u64) {
-        (pos / self.epoch_len.max(1), pos % self.epoch_len.max(1))
+        let len = self.epoch_len().max(1);
+        (pos / len, pos % len)
     }
 
     pub fn join(&self, epoch: u64, offset: u64) -> Position {
-        epoch.saturating_mul(self.epoch_len).saturating_add(offset)
+        epoch.saturating_mul(self.epoch_len()).saturating_add(offset)
     }
 
     /// File at a global position if its epoch is planned already: `None` if it is not,

@@ -158,7 +158,12 @@ impl Tracker {
         }
         let (epoch, _) = self.plan.split(pos);
         self.base_epoch = epoch;
-        self.consumed.iter_mut().for_each(|c| c.fill(0));
+        // A fed plan's epochs get longer when an announcement needs it.
+        let words = self.plan.epoch_len().div_ceil(64) as usize;
+        for c in &mut self.consumed {
+            c.clear();
+            c.resize(words, 0);
+        }
         self.cursor = pos;
         self.high_water = pos;
         self.recent.clear();
@@ -225,12 +230,15 @@ impl Tracker {
 
     fn is_marked(&self, pos: Position) -> bool {
         self.bit(pos)
-            .is_some_and(|(e, b)| self.consumed[e][b / 64] & (1 << (b % 64)) != 0)
+            .and_then(|(e, b)| self.consumed[e].get(b / 64).map(|w| w & (1 << (b % 64))))
+            .is_some_and(|w| w != 0)
     }
 
     fn mark(&mut self, pos: Position) {
-        if let Some((e, b)) = self.bit(pos) {
-            self.consumed[e][b / 64] |= 1 << (b % 64);
+        if let Some((e, b)) = self.bit(pos)
+            && let Some(word) = self.consumed[e].get_mut(b / 64)
+        {
+            *word |= 1 << (b % 64);
         }
     }
 

@@ -73,8 +73,15 @@ impl Inner {
     pub(super) fn frontier_to_copy(&self, st: &mut State) -> Option<(Position, FileId)> {
         while self.frontier_open(st) {
             let pos = st.frontier;
+            let (epoch, offset) = self.plan.split(pos);
             // An epoch still being planned: the planner wakes the workers when it is.
-            let Some(file) = self.plan.planned_file_at(pos)? else {
+            let plan = self.plan.planned(epoch)?;
+            if offset >= plan.len() {
+                // A fed epoch shorter than the epoch length: on to the next one at once.
+                st.frontier = self.plan.join(epoch + 1, 0);
+                continue;
+            }
+            let Some(file) = plan.file_at(offset) else {
                 st.frontier += 1;
                 continue;
             };

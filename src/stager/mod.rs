@@ -318,6 +318,52 @@ impl Stager {
         self.inner.work.notify_all();
     }
 
+    /// The job announces the files `rank` reads in `epoch` (`--sampler feed`): `current` if
+    /// the rank is starting that epoch now, otherwise it is the next one, announced ahead.
+    pub fn announce(
+        &self,
+        epoch: u64,
+        rank: u32,
+        files: Vec<FileId>,
+        current: bool,
+    ) -> Result<(), String> {
+        let plan = &self.inner.plan;
+        if !plan.is_fed() {
+            return Err(format!(
+                "this mount predicts the order itself (--sampler {}); mount with --sampler feed to follow announcements",
+                plan.sampler().kind
+            ));
+        }
+        let count = files.len();
+        {
+            let mut st = self.inner.state.lock();
+            let (at_epoch, at_offset) = st.tracker.epoch_position();
+            // Growing the epoch length moves every position: the tracker follows at once,
+            // under the same lock, to where it was.
+            if plan.announce(epoch, rank, files) && st.tracker.mode() == TrackerMode::Predicting {
+                let pos = plan.join(at_epoch, at_offset);
+                self.inner.reposition(&mut st, pos);
+            }
+        }
+        // Planned before taking the lock again: opens meanwhile go on with the stale plan.
+        plan.epoch(epoch);
+        let mut st = self.inner.state.lock();
+        if current {
+            let pos = plan.join(epoch, 0);
+            self.inner.reposition(&mut st, pos);
+        } else {
+            self.inner.rekey_all(&mut st);
+            self.inner.plan_ahead(&mut st);
+        }
+        log::info!(
+            "rank {rank} announced epoch {epoch}{}: {count} files",
+            if current { "" } else { " (ahead)" }
+        );
+        drop(st);
+        self.inner.work.notify_all();
+        Ok(())
+    }
+
     pub fn gauges(&self) -> Gauges {
         let st = self.inner.state.lock();
         let (epoch, position) = st.tracker.epoch_position();

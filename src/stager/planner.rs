@@ -75,6 +75,11 @@ impl Inner {
             let Some(plan) = self.plan.planned(epoch) else {
                 break;
             };
+            if offset >= plan.len() {
+                // Past a fed epoch's end: nothing is read until the next epoch.
+                pos = self.plan.join(epoch + 1, 0).min(to);
+                continue;
+            }
             let end = (to - pos).min(plan.len() - offset);
             for off in offset..offset + end {
                 let Some(file) = plan.file_at(off) else {

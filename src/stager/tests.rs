@@ -843,3 +843,109 @@ proptest! {
         prop_assert!(errors.is_empty(), "{errors:?}");
     }
 }
+
+/// A shuffled order no sampler names: what the feed hook would announce for `rank`.
+fn announced_order(h: &Harness, rank: u32, epoch: u64) -> Vec<FileId> {
+    let mut files: Vec<FileId> = h.file_of.clone();
+    // A fixed, rank- and epoch-dependent permutation (multiplicative, n prime to the step).
+    let n = files.len();
+    let step = [7, 11, 13, 17][(rank as usize + epoch as usize) % 4];
+    files = (0..n).map(|i| files[(i * step + rank as usize) % n]).collect();
+    files
+}
+
+/// Reads `files` in order like one DataLoader worker per batch stripe.
+fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
+    let batches: Vec<&[FileId]> = files.chunks(batch).collect();
+    std::thread::scope(|s| {
+        for w in 0..workers {
+            let batches = &batches;
+            s.spawn(move || {
+                for b in batches.iter().skip(w).step_by(workers) {
+                    b.iter().for_each(|&f| h.check(f));
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_fed_order_is_staged_as_announced_epoch_after_epoch() {
+    let mut setup = Setup::new(211, SamplerKind::Feed);
+    setup.capacity_share = 0.3;
+    let h = setup.build();
+    // Nothing is known before the job announces: nothing is staged, opens are served.
+    assert_eq!(h.stager().gauges().mode, "on-demand");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(h.get(&h.counters.staged_files), 0);
+    for epoch in 0..3 {
+        let order = announced_order(&h, 0, epoch);
+        h.stager().announce(epoch, 0, order.clone(), true).unwrap();
+        // The stager gets ahead before the first batch, as between a job's announcement and
+        // its workers' first opens.
+        assert!(h.eventually(|| h.get(&h.counters.staged_files) >= 16 * (epoch + 1)));
+        let hits = h.get(&h.counters.hits);
+        read_files(&h, &order, 8, 2);
+        let epoch_hits = h.get(&h.counters.hits) - hits;
+        assert!(
+            epoch_hits as f64 >= 0.9 * order.len() as f64,
+            "epoch {epoch}: {epoch_hits} hits of {}",
+            order.len()
+        );
+    }
+    let g = h.stager().gauges();
+    assert_eq!(g.mispredictions, 0);
+    assert_eq!(g.mode, "predicting");
+    assert_eq!(g.epoch, 2);
+}
+
+#[test]
+fn announcements_of_two_ranks_merge_and_an_ahead_one_crosses_the_boundary() {
+    let mut setup = Setup::new(120, SamplerKind::Feed);
+    setup.capacity_share = 10.0;
+    let h = setup.build();
+    let (r0, r1) = (announced_order(&h, 0, 0), announced_order(&h, 1, 0));
+    h.stager().announce(0, 0, r0[..60].to_vec(), true).unwrap();
+    h.stager().announce(0, 1, r1[60..].to_vec(), true).unwrap();
+    assert_eq!(h.plan.fed_ranks(0), [0, 1]);
+    let merged = h.plan.files(0);
+    assert_eq!(merged.len(), 120);
+    assert_eq!(&merged[..4], &[r0[0], r1[60], r0[1], r1[61]]);
+    // The next epoch, announced ahead, is staged before the job gets there.
+    let next = announced_order(&h, 0, 1);
+    h.stager().announce(1, 0, next.clone(), false).unwrap();
+    read_files(&h, &merged, 8, 2);
+    assert!(h.eventually(|| h.stager().cached_count(next.iter().copied()) == 120));
+    h.stager().announce(1, 0, next.clone(), true).unwrap();
+    let hits = h.get(&h.counters.hits);
+    read_files(&h, &next, 8, 2);
+    assert_eq!(h.get(&h.counters.hits) - hits, 120);
+    assert_eq!(h.stager().gauges().mispredictions, 0);
+}
+
+#[test]
+fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
+    let mut setup = Setup::new(50, SamplerKind::Feed);
+    setup.capacity_share = 10.0;
+    let h = setup.build();
+    let order = announced_order(&h, 0, 0);
+    h.stager().announce(0, 0, order.clone(), true).unwrap();
+    let first_len = h.plan.epoch_len();
+    // A sampler with replacement, drawing more samples than there are files.
+    let long: Vec<FileId> = order.iter().cycle().take(5 * order.len() + 3).copied().collect();
+    h.stager().announce(1, 0, long.clone(), true).unwrap();
+    assert!(h.plan.epoch_len() > first_len && h.plan.epoch_len() >= long.len() as u64);
+    assert_eq!(h.plan.files(1), long);
+    read_files(&h, &long, 8, 2);
+    let g = h.stager().gauges();
+    assert_eq!((g.mispredictions, g.epoch, g.mode), (0, 1, "predicting"));
+}
+
+#[test]
+fn a_mount_with_its_own_sampler_refuses_announcements() {
+    let h = Setup::new(20, SamplerKind::TorchRandom).build();
+    let err = h.stager().announce(0, 0, vec![1], true).unwrap_err();
+    assert!(err.contains("--sampler feed"), "{err}");
+    assert_eq!(h.stager().gauges().epoch, 0);
+}
