@@ -1,10 +1,10 @@
-//! The command line: argument definitions (grouped by purpose), turned into validated
-//! settings for the engine, and the subcommands' entry points.
+//! The command line: argument definitions (grouped by purpose), turned into typed values for
+//! the engine (a mount's into [`crate::daemon::MountConfig`]), and the subcommands' entry
+//! points. Errors reach [`run`] as `anyhow` chains and leave as one line on stderr.
 
 mod demo;
 mod index_cmd;
 pub mod mount;
-pub mod mounts;
 mod order_cmd;
 pub mod size;
 mod stats_cmd;
@@ -162,7 +162,7 @@ pub fn run() -> i32 {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     let result = match cli.command {
-        Command::Mount(args) => mount::run(*args),
+        Command::Mount(args) => mount::run(&args),
         Command::Unmount(args) => unmount::run(args),
         Command::Order(args) => order_cmd::run(*args),
         Command::Stats(args) => stats_cmd::run(args),
@@ -171,15 +171,10 @@ pub fn run() -> i32 {
     };
     match result {
         Ok(()) => 0,
-        Err(message) => {
-            eprintln!("stagefs: {message}");
+        Err(e) => {
+            // `{:#}`: the context and its causes on one line, as job scripts read it.
+            eprintln!("stagefs: {e:#}");
             1
         }
     }
-}
-
-/// The log as every command sets it up: `RUST_LOG` if set, else `default` (a level), on stderr
-/// unless the caller sends it elsewhere before `try_init`.
-fn logger(default: &str) -> env_logger::Builder {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
 }
