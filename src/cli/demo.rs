@@ -14,7 +14,7 @@ use anyhow::Context;
 use clap::Args;
 
 use super::stats_cmd;
-use crate::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind};
+use crate::catalog::{Catalog, Layout, LayoutKind};
 use crate::daemon::{self, MountConfig};
 use crate::order::{SamplerConfig, SamplerKind};
 
@@ -90,11 +90,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     );
     make_dataset(&remote, args.files)?;
 
-    // The mount's defaults are the torch-distributed prediction with seed 0 the reader uses.
     let config = MountConfig {
         source: remote,
         mountpoint: mnt.clone(),
         cache,
+        sampler: reader_sampler(),
         foreground: true,
         ..MountConfig::default()
     };
@@ -104,7 +104,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         mnt.display()
     );
 
-    let outcome = read_epochs(&mnt, &args);
+    let outcome = read_epochs(&mnt, &config.extensions, &args);
     println!();
     if let Ok(s) = stats_cmd::read_snapshot(&mnt) {
         print!("{}", stats_cmd::table(&s));
@@ -114,15 +114,21 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     outcome
 }
 
+/// What the demo's reader uses, and so what the mount predicts.
+fn reader_sampler() -> SamplerConfig {
+    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    sampler.seed = SEED;
+    sampler
+}
+
 /// Reads the mount like `DataLoader(ImageFolder(mnt), sampler=DistributedSampler(seed=0))`.
-fn read_epochs(mnt: &Path, args: &DemoArgs) -> anyhow::Result<()> {
+fn read_epochs(mnt: &Path, extensions: &[String], args: &DemoArgs) -> anyhow::Result<()> {
     // The dataset class lists the mount itself, as torchvision would.
     let catalog = Catalog::scan(mnt, 4)?;
-    let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
     let layout = Arc::new(Layout::build(
         &catalog,
         LayoutKind::ImageFolder,
-        &exts,
+        extensions,
         None,
     )?);
     let paths: Arc<Vec<PathBuf>> = Arc::new(
@@ -130,7 +136,7 @@ fn read_epochs(mnt: &Path, args: &DemoArgs) -> anyhow::Result<()> {
             .map(|i| catalog.source_path(layout.file(i)))
             .collect(),
     );
-    let sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    let sampler = reader_sampler();
     println!(
         "\n{:>5} {:>9} {:>10} {:>9} {:>9} {:>12}",
         "epoch", "seconds", "reading s", "hits", "misses", "from source"

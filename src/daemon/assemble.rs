@@ -57,36 +57,8 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let source_root = Arc::new(source_root);
     // Held until mounted; taken before staging starts so a refused mount copies nothing.
     let claim = claim_mountpoint(&mountpoint)?;
-    let counters = Arc::new(Counters::default());
-    let local = Arc::new(LocalSource::new(source_root.clone()));
-    let capacity = settings.capacity;
-    let stager = Stager::start(
-        catalog.clone(),
-        local,
-        cache,
-        plan.clone(),
-        settings,
-        counters.clone(),
-    );
-    if config.epoch > 0 {
-        stager.set_epoch(config.epoch);
-    }
-    log::info!(
-        "{} files ({} bytes); {} positions per epoch on this node; cache capacity {capacity} bytes",
-        catalog.file_count(),
-        catalog.total_file_bytes(),
-        plan.epoch_len(),
-    );
-    let data = Arc::new(MountedDataset {
-        catalog,
-        stager,
-        counters,
-        sampler_name: config.sampler.kind.to_string(),
-        started: Instant::now(),
-        passthrough_wanted: config.passthrough,
-        source_root,
-    });
-    let running = mount_fuse(config, data, &source, mountpoint)?;
+    let data = start_stager(config, catalog, plan, cache, settings, source_root);
+    let running = mount_fuse(config, Arc::new(data), &source, mountpoint)?;
     drop(claim);
     Ok(running)
 }
@@ -151,6 +123,46 @@ fn build_plan(config: &MountConfig, catalog: &Arc<Catalog>) -> Result<Arc<Plan>,
     let plan = Plan::new(sampler, ranks, Arc::new(layout), catalog.len())?;
     plan.check_epoch_reachable(config.epoch)?;
     Ok(Arc::new(plan))
+}
+
+/// Starts staging (at the job's first epoch) and bundles what the FUSE layer serves from.
+fn start_stager(
+    config: &MountConfig,
+    catalog: Arc<Catalog>,
+    plan: Arc<Plan>,
+    cache: CacheDir,
+    settings: StagerSettings,
+    source_root: Arc<SourceRoot>,
+) -> MountedDataset {
+    let counters = Arc::new(Counters::default());
+    let local = Arc::new(LocalSource::new(source_root.clone()));
+    let capacity = settings.capacity;
+    let stager = Stager::start(
+        catalog.clone(),
+        local,
+        cache,
+        plan.clone(),
+        settings,
+        counters.clone(),
+    );
+    if config.epoch > 0 {
+        stager.set_epoch(config.epoch);
+    }
+    log::info!(
+        "{} files ({} bytes); {} positions per epoch on this node; cache capacity {capacity} bytes",
+        catalog.file_count(),
+        catalog.total_file_bytes(),
+        plan.epoch_len(),
+    );
+    MountedDataset {
+        catalog,
+        stager,
+        counters,
+        sampler_name: config.sampler.kind.to_string(),
+        started: Instant::now(),
+        passthrough_wanted: config.passthrough,
+        source_root,
+    }
 }
 
 /// Keeps a freshly scanned catalog for the next mount of this cache, off the start-up path.

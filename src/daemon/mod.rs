@@ -1,13 +1,13 @@
 //! The daemon: turns a typed [`MountConfig`] into a running mount and runs it to the end.
 //!
-//! It owns the checks that must pass before anything is created ([`checks`]), the assembly of
+//! It owns the checks that must pass before anything is created (`checks`), the assembly of
 //! the engine (catalog → plan → cache → stager → FUSE, in `assemble`), and the mount's life
 //! (detaching with a ready pipe, logging, signals, unmounting only its own mount). It is apart
 //! from [`crate::cli`] so that anything holding a [`MountConfig`] (the command line, the demo,
 //! tests) mounts the same way, and the command line is left with parsing arguments.
 
 mod assemble;
-pub mod checks;
+mod checks;
 mod config;
 mod error;
 mod lifecycle;
