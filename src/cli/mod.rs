@@ -172,9 +172,47 @@ pub fn run() -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {
-            // `{:#}`: the context and its causes on one line, as job scripts read it.
-            eprintln!("stagefs: {e:#}");
+            eprintln!("stagefs: {}", one_line(&e));
             1
         }
+    }
+}
+
+/// The error and its causes on one line, as job scripts read it: what `{:#}` prints, except
+/// that a cause the message already states is not repeated. Most of the engine's errors name
+/// their cause in their own text (`source DIR: No such file or directory`) and also return it
+/// as their `source()`, which `{:#}` would print a second time.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+    use anyhow::Context;
+
+    #[test]
+    fn one_line_keeps_context_and_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOENT);
+        // Context over a plain cause: both, as `{:#}` prints them.
+        let e = Err::<(), _>(io()).context("source /x").unwrap_err();
+        assert_eq!(one_line(&e), format!("source /x: {}", io()));
+        // An error that states its own source: the source is not printed twice.
+        let e = anyhow::Error::from(crate::daemon::MountError::Source {
+            path: "/x".into(),
+            source: io(),
+        });
+        assert_eq!(one_line(&e), format!("source /x: {}", io()));
     }
 }
