@@ -232,16 +232,18 @@ fn daemon_command(write_fd: RawFd) -> Result<Command, MountError> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::setsid();
-            // Keep the write end open across exec.
-            let flags = libc::fcntl(write_fd, libc::F_GETFD);
-            libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-            Ok(())
-        });
-    }
+    let detach_and_keep_pipe = move || {
+        // SAFETY: setsid has no memory arguments; it only fails if already a group leader.
+        unsafe { libc::setsid() };
+        // Keep the write end open across exec.
+        // SAFETY: fcntl on the pipe's write end, which this child inherited.
+        let flags = unsafe { libc::fcntl(write_fd, libc::F_GETFD) };
+        // SAFETY: as above.
+        unsafe { libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) };
+        Ok(())
+    };
+    // SAFETY: the closure makes only async-signal-safe calls between fork and exec.
+    unsafe { cmd.pre_exec(detach_and_keep_pipe) };
     Ok(cmd)
 }
 
@@ -269,14 +271,15 @@ fn wait_for_exit(mount: &RunningMount) {
 /// Blocks the termination signals in this thread (and every thread started after it), so
 /// [`wait_for_exit`] can take them synchronously.
 pub(super) fn block_termination_signals() -> libc::sigset_t {
-    // SAFETY: plain sigset manipulation on a local value.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-            libc::sigaddset(&mut set, s);
-        }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
+    // SAFETY: sigset_t is plain data, for which all zeroes is a valid value.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid sigset_t owned here.
+    unsafe { libc::sigemptyset(&mut set) };
+    for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: a valid sigset_t and a valid signal number.
+        unsafe { libc::sigaddset(&mut set, s) };
     }
+    // SAFETY: a valid set; the previous mask is not wanted.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    set
 }
