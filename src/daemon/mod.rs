@@ -3,8 +3,9 @@
 //! It owns the checks that must pass before anything is created (`checks`), the assembly of
 //! the engine (catalog → plan → cache → stager → FUSE, in `assemble`), and the mount's life
 //! (detaching with a ready pipe, logging, signals, unmounting only its own mount). It is apart
-//! from [`crate::cli`] so that anything holding a [`MountConfig`] (the command line, the demo,
-//! tests) mounts the same way, and the command line is left with parsing arguments.
+//! from the command line (`cli`, the layer above) so that anything holding a [`MountConfig`]
+//! (the command line, the demo, tests) mounts the same way, and the command line is left with
+//! parsing arguments.
 
 mod assemble;
 mod checks;

@@ -250,6 +250,9 @@ impl Harness {
     /// Reads one epoch of the node stream like a DataLoader: `workers` threads each take
     /// every `workers`-th batch, read it in order, then "compute" for `compute`.
     fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
+        // The planner plans an epoch once the cursor enters the one before, off the reader's
+        // path; a real job takes that long to reach it, these tiny epochs may not.
+        assert!(self.eventually(|| self.plan.planned(epoch).is_some()));
         let stream = self.plan.files(epoch);
         let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
         std::thread::scope(|s| {
