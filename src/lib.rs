@@ -4,7 +4,8 @@
 //! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
 //! (samplers) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
 //! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`control`] takes the running
-//! job's announcements. [`stats`] counts, [`cli`] wires,
+//! job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
+//! runs it, [`cli`] parses the command line into it,
 //! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share,
 //! [`files`] the safe whole-file reads and atomic writes, [`input`] the user's text files.
 //!
@@ -21,6 +22,7 @@ pub mod cache;
 pub mod catalog;
 pub mod cli;
 pub mod control;
+pub mod daemon;
 pub mod files;
 pub mod fs;
 pub mod input;

@@ -67,8 +67,6 @@ const fn scanned(
 
 const LIST: &str = "mount --layout list --list-file @W/l.txt";
 const ORDER: &str = "mount --sampler list --order-file @W/o.txt";
-const THREADS: &str =
-    "stagefs: --stage-threads, --fuse-threads and --scan-threads must be at least 1";
 
 /// Samples of the source tree ([`source_tree`]), for the messages that count them.
 const SAMPLES: usize = 7;
@@ -99,10 +97,27 @@ const COMMAND_LINES: &[Case] = &[
         "mount --read-through-above 5XB",
         "stagefs: --read-through-above: '5XB' is not a size",
     ),
-    early("mount --stage-threads 0", THREADS),
-    early("mount --fuse-threads 0", THREADS),
-    early("mount --scan-threads 0", THREADS),
-    early("mount --window 0", "stagefs: --window must be at least 1"),
+    // Counts of at least 1 are clap's range checks: its usage error names the option.
+    early(
+        "mount --stage-threads 0",
+        "error: invalid value '0' for '--stage-threads <N>': 0 is not in 1..",
+    ),
+    early(
+        "mount --fuse-threads 0",
+        "error: invalid value '0' for '--fuse-threads <N>': 0 is not in 1..",
+    ),
+    early(
+        "mount --scan-threads 0",
+        "error: invalid value '0' for '--scan-threads <N>': 0 is not in 1..",
+    ),
+    early(
+        "mount --window 0",
+        "error: invalid value '0' for '--window <N>': 0 is not in 1..",
+    ),
+    early(
+        "index @S --scan-threads 0",
+        "error: invalid value '0' for '--scan-threads <N>': 0 is not in 1..",
+    ),
     early("mount --epoch -1", "error: unexpected argument '-1' found"),
     early(
         "mount --bogus",

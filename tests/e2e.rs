@@ -276,7 +276,12 @@ impl Job {
             self.name,
             self.started.elapsed()
         );
-        assert_eq!(lines.len(), self.epochs, "{}: epoch lines\n{stderr}", self.name);
+        assert_eq!(
+            lines.len(),
+            self.epochs,
+            "{}: epoch lines\n{stderr}",
+            self.name
+        );
         let order = std::fs::read_to_string(&self.order)
             .unwrap()
             .lines()

@@ -1,13 +1,13 @@
 //! Whole command lines (NUL-separated arguments after `stagefs`): clap's parse with the
 //! crate's argument definitions (debug assertions on, so an inconsistent definition fails
-//! here), then the sampler settings and size options the daemon derives from them. Every
-//! outcome is a value or a one-line error; nothing panics.
+//! here), then the typed mount settings (sampler, sizes, lookahead) the daemon gets from
+//! them. Every outcome is a value or a one-line error; nothing panics.
 #![no_main]
 
 use clap::Parser;
 use libfuzzer_sys::fuzz_target;
-use stagefs::cli::size::{parse_lookahead, parse_size};
 use stagefs::cli::{Cli, Command, SamplerArgs};
+use stagefs::daemon::MountConfig;
 
 /// What `mount` and `order` do with the sampler options before touching any file.
 fn check_sampler(sampler: &mut SamplerArgs) {
@@ -34,13 +34,10 @@ fuzz_target!(|data: &[u8]| {
     match cli.command {
         Command::Mount(mut args) => {
             check_sampler(&mut args.sampler);
-            for size in [
-                args.cache_size.as_deref(),
-                Some(args.read_through_above.as_str()),
-            ] {
-                let _ = size.map(parse_size);
+            // The typed mount settings the daemon gets, sizes and lookahead included.
+            if let Err(e) = MountConfig::try_from(&*args) {
+                assert!(!e.to_string().contains('\n'), "{e}");
             }
-            let _ = args.lookahead.as_deref().map(parse_lookahead);
         }
         Command::Order(mut args) => check_sampler(&mut args.sampler),
         _ => {}

@@ -5,7 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stagefs::cli::size::{Lookahead, parse_lookahead, parse_size};
+use stagefs::cli::size::{parse_lookahead, parse_size};
+use stagefs::daemon::Lookahead;
 
 const UNITS: [(&str, u64); 5] = [
     ("K", 1 << 10),

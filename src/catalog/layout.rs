@@ -69,10 +69,6 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// What [`Layout::file`] answers for a sample stagefs cannot serve. Only for `cli`, until
-    /// it moves to [`Layout::file_of`]; remove both then.
-    pub const NO_FILE: FileId = FileId::MAX;
-
     pub fn build(
         catalog: &Catalog,
         kind: LayoutKind,
@@ -116,11 +112,6 @@ impl Layout {
     /// The file sample `index` reads; `None` past the end or for a sample stagefs cannot serve.
     pub fn file_of(&self, index: u32) -> Option<FileId> {
         self.files.get(index as usize).and_then(|f| f.get())
-    }
-
-    /// [`Layout::file_of`] with [`Layout::NO_FILE`] for none: see there.
-    pub fn file(&self, index: u32) -> FileId {
-        self.file_of(index).unwrap_or(Self::NO_FILE)
     }
 
     pub fn classes(&self) -> &[String] {

@@ -10,11 +10,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser};
+use anyhow::Context;
+use clap::Args;
 
-use super::mount;
 use super::stats_cmd;
-use crate::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind};
+use crate::catalog::{Catalog, Layout, LayoutKind};
+use crate::daemon::{self, MountConfig};
 use crate::order::{SamplerConfig, SamplerKind};
 
 #[derive(Args, Debug)]
@@ -47,30 +48,30 @@ fn synthetic_size(i: u32) -> usize {
     20_000 + (x % 180_000) as usize + if x.is_multiple_of(7) { 100_000 } else { 0 }
 }
 
-fn make_dataset(root: &Path, files: u32) -> Result<(), String> {
+fn make_dataset(root: &Path, files: u32) -> anyhow::Result<()> {
     for i in 0..files {
         let dir = root.join(format!("class{:03}", i % CLASSES));
-        fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
         let size = synthetic_size(i);
         let byte = (i % 251) as u8;
         let body: Vec<u8> = (0..size)
             .map(|k| byte.wrapping_add((k % 13) as u8))
             .collect();
         let path = dir.join(format!("img{i:06}.jpg"));
-        fs::write(&path, body).map_err(|e| format!("{}: {e}", path.display()))?;
+        fs::write(&path, body).with_context(|| path.display().to_string())?;
     }
     Ok(())
 }
 
-pub fn run(args: DemoArgs) -> Result<(), String> {
-    let _ = super::logger("warn").try_init();
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let _ = daemon::logger("warn").try_init();
     let temp = match &args.workdir {
         Some(_) => None,
         None => Some(
             tempfile::Builder::new()
                 .prefix("stagefs-demo.")
                 .tempdir()
-                .map_err(|e| format!("cannot create a temporary directory: {e}"))?,
+                .context("cannot create a temporary directory")?,
         ),
     };
     let work = args
@@ -79,7 +80,7 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         .unwrap_or_else(|| temp.as_ref().expect("temp dir").path().to_path_buf());
     let (remote, mnt, cache) = (work.join("remote"), work.join("mnt"), work.join("cache"));
     for d in [&remote, &mnt] {
-        fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        fs::create_dir_all(d).with_context(|| d.display().to_string())?;
     }
     println!(
         "creating a synthetic ImageFolder dataset: {} files in {} classes under {}",
@@ -89,32 +90,21 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     );
     make_dataset(&remote, args.files)?;
 
-    let argv = [
-        "stagefs",
-        "mount",
-        remote.to_str().unwrap_or_default(),
-        mnt.to_str().unwrap_or_default(),
-        "--cache",
-        cache.to_str().unwrap_or_default(),
-        "--sampler",
-        "torch-distributed",
-        "--seed",
-        "0",
-        "--foreground",
-    ];
-    let super::Command::Mount(mount_args) = super::Cli::try_parse_from(argv)
-        .map_err(|e| e.to_string())?
-        .command
-    else {
-        unreachable!("parsed a mount command")
+    let config = MountConfig {
+        source: remote,
+        mountpoint: mnt.clone(),
+        cache,
+        sampler: reader_sampler(),
+        foreground: true,
+        ..MountConfig::default()
     };
-    let running = mount::start(&mount_args)?;
+    let running = daemon::start(&config)?;
     println!(
         "mounted at {} (stagefs predicts DistributedSampler seed {SEED}, world size 1)",
         mnt.display()
     );
 
-    let outcome = read_epochs(&mnt, &args);
+    let outcome = read_epochs(&mnt, &config.extensions, &args);
     println!();
     if let Ok(s) = stats_cmd::read_snapshot(&mnt) {
         print!("{}", stats_cmd::table(&s));
@@ -124,29 +114,41 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     outcome
 }
 
+/// What the demo's reader uses, and so what the mount predicts.
+fn reader_sampler() -> SamplerConfig {
+    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    sampler.seed = SEED;
+    sampler
+}
+
 /// Reads the mount like `DataLoader(ImageFolder(mnt), sampler=DistributedSampler(seed=0))`.
-fn read_epochs(mnt: &Path, args: &DemoArgs) -> Result<(), String> {
+fn read_epochs(mnt: &Path, extensions: &[String], args: &DemoArgs) -> anyhow::Result<()> {
     // The dataset class lists the mount itself, as torchvision would.
-    let catalog = Catalog::scan(mnt, 4).map_err(|e| e.to_string())?;
-    let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
-    let layout = Arc::new(
-        Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).map_err(|e| e.to_string())?,
-    );
+    let catalog = Catalog::scan(mnt, 4)?;
+    let layout = Arc::new(Layout::build(
+        &catalog,
+        LayoutKind::ImageFolder,
+        extensions,
+        None,
+    )?);
     let paths: Arc<Vec<PathBuf>> = Arc::new(
         (0..layout.len() as u32)
-            .map(|i| catalog.source_path(layout.file(i)))
-            .collect(),
+            .map(|i| {
+                let file = layout
+                    .file_of(i)
+                    .context("a demo sample the mount cannot serve")?;
+                Ok(catalog.source_path(file))
+            })
+            .collect::<anyhow::Result<_>>()?,
     );
-    let sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    let sampler = reader_sampler();
     println!(
         "\n{:>5} {:>9} {:>10} {:>9} {:>9} {:>12}",
         "epoch", "seconds", "reading s", "hits", "misses", "from source"
     );
     for epoch in 0..args.epochs {
         let before = stats_cmd::read_snapshot(mnt)?;
-        let order = sampler
-            .epoch_order(paths.len() as u64, epoch, 0)
-            .map_err(|e| e.to_string())?;
+        let order = sampler.epoch_order(paths.len() as u64, epoch, 0)?;
         let started = Instant::now();
         let batches: Vec<Vec<u32>> = order.chunks(BATCH).map(|c| c.to_vec()).collect();
         let waited = std::thread::scope(|s| {
@@ -155,7 +157,7 @@ fn read_epochs(mnt: &Path, args: &DemoArgs) -> Result<(), String> {
                     let paths = paths.clone();
                     let batches = &batches;
                     let compute = Duration::from_millis(args.compute_ms);
-                    s.spawn(move || -> Result<Duration, String> {
+                    s.spawn(move || -> anyhow::Result<Duration> {
                         let mut waited = Duration::ZERO;
                         let mut buf = Vec::new();
                         for batch in batches.iter().skip(w).step_by(WORKERS) {
@@ -165,7 +167,7 @@ fn read_epochs(mnt: &Path, args: &DemoArgs) -> Result<(), String> {
                                 let p = &paths[i as usize];
                                 fs::File::open(p)
                                     .and_then(|mut f| f.read_to_end(&mut buf))
-                                    .map_err(|e| format!("{}: {e}", p.display()))?;
+                                    .with_context(|| p.display().to_string())?;
                             }
                             waited += t.elapsed();
                             std::thread::sleep(compute);

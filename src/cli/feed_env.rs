@@ -13,7 +13,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use sha2::{Digest, Sha256};
 
@@ -51,12 +51,7 @@ pub fn run(args: FeedEnvArgs) -> Result<()> {
     );
     if let Some(mp) = &args.mountpoint {
         let mp = std::path::absolute(mp).with_context(|| format!("{}", mp.display()))?;
-        if xattr_of(&mp, crate::fs::CONTROL_XATTR).is_none() {
-            bail!(
-                "{} is not a stagefs mount (or its daemon is not answering)",
-                mp.display()
-            );
-        }
+        super::stats_cmd::read_xattr(&mp, crate::fs::CONTROL_XATTR)?;
         out += &format!("export {MOUNT_ENV}={}\n", shell_quote(&mp));
     }
     print!("{out}");
@@ -141,25 +136,6 @@ fn extract_into(base: &Path) -> Result<PathBuf> {
         }
     }
     Ok(dir)
-}
-
-fn xattr_of(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let c = crate::sys::c_path(path).ok()?;
-    let name = std::ffi::CString::new(name).ok()?;
-    let mut buf = vec![0u8; 256];
-    // SAFETY: valid C strings and a buffer of the length passed.
-    let n = unsafe {
-        libc::getxattr(
-            c.as_ptr(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    (n >= 0).then(|| {
-        buf.truncate(n as usize);
-        buf
-    })
 }
 
 /// `path` in single quotes for sh, quotes inside escaped.

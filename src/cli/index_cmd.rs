@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use anyhow::Context;
 use clap::Args;
 
 use crate::catalog::{Catalog, index};
@@ -15,21 +16,18 @@ pub struct IndexArgs {
     #[arg(short, long, default_value = "stagefs.index", value_name = "FILE")]
     pub output: PathBuf,
     /// Concurrent directory scans (metadata calls to a parallel file system are slow)
-    #[arg(long, default_value_t = 16, value_name = "N")]
+    #[arg(long, default_value_t = 16, value_name = "N", value_parser = super::mount::at_least_one())]
     pub scan_threads: usize,
 }
 
-pub fn run(args: IndexArgs) -> Result<(), String> {
+pub fn run(args: IndexArgs) -> anyhow::Result<()> {
     // The scan reports progress through the log: show it on stderr.
-    let _ = super::logger("info").try_init();
-    if args.scan_threads == 0 {
-        return Err("--scan-threads must be at least 1".into());
-    }
+    let _ = crate::daemon::logger("info").try_init();
     let source = std::fs::canonicalize(&args.source)
-        .map_err(|e| format!("source {}: {e}", args.source.display()))?;
+        .with_context(|| format!("source {}", args.source.display()))?;
     let started = Instant::now();
-    let catalog = Catalog::scan(&source, args.scan_threads).map_err(|e| e.to_string())?;
-    index::save(&catalog, &args.output).map_err(|e| e.to_string())?;
+    let catalog = Catalog::scan(&source, args.scan_threads)?;
+    index::save(&catalog, &args.output)?;
     println!(
         "indexed {} entries ({} files, {} bytes) of {} in {:.1?} into {}",
         catalog.len(),

@@ -1,10 +1,12 @@
-//! The command line: argument definitions (grouped by purpose), turned into validated
-//! settings for the engine, and the subcommands' entry points.
+//! The command line: argument definitions (grouped by purpose), turned into typed values for
+//! the engine (a mount's into [`crate::daemon::MountConfig`]), and the subcommands' entry
+//! points. Errors reach [`run`] as `anyhow` chains and leave as one line on stderr.
 
 mod demo;
+mod epoch_cmd;
+mod feed_env;
 mod index_cmd;
 pub mod mount;
-pub mod mounts;
 mod order_cmd;
 pub mod size;
 mod stats_cmd;
@@ -44,6 +46,11 @@ pub enum Command {
     Stats(stats_cmd::StatsArgs),
     /// Scan SOURCE and save its catalog, so mounts of huge datasets start without a scan
     Index(index_cmd::IndexArgs),
+    /// Tell a running mount the job is at EPOCH (a resumed job); staging starts there
+    Epoch(epoch_cmd::EpochArgs),
+    /// Print the shell lines that make the job's Python processes announce their order
+    /// (`eval "$(stagefs feed-env)"`, for a `--sampler feed` mount)
+    FeedEnv(feed_env::FeedEnvArgs),
     /// Run the whole thing on a built-in synthetic dataset and report what happened
     Demo(demo::DemoArgs),
 }
@@ -53,7 +60,8 @@ pub enum Command {
 #[command(next_help_heading = "Prediction (the job's sampler)")]
 pub struct SamplerArgs {
     /// Sampler the job uses: torch-distributed, torch-random, numpy-legacy (alias chainer),
-    /// numpy-generator, sequential, list, none
+    /// numpy-generator, sequential, list, feed (the job announces its order: see `stagefs
+    /// feed-env`), none
     #[arg(long, default_value = "torch-distributed", value_name = "NAME")]
     pub sampler: String,
     /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed)
@@ -162,24 +170,59 @@ pub fn run() -> i32 {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     let result = match cli.command {
-        Command::Mount(args) => mount::run(*args),
+        Command::Mount(args) => mount::run(&args),
         Command::Unmount(args) => unmount::run(args),
         Command::Order(args) => order_cmd::run(*args),
         Command::Stats(args) => stats_cmd::run(args),
         Command::Index(args) => index_cmd::run(args),
+        Command::Epoch(args) => epoch_cmd::run(args),
+        Command::FeedEnv(args) => feed_env::run(args),
         Command::Demo(args) => demo::run(args),
     };
     match result {
         Ok(()) => 0,
-        Err(message) => {
-            eprintln!("stagefs: {message}");
+        Err(e) => {
+            eprintln!("stagefs: {}", one_line(&e));
             1
         }
     }
 }
 
-/// The log as every command sets it up: `RUST_LOG` if set, else `default` (a level), on stderr
-/// unless the caller sends it elsewhere before `try_init`.
-fn logger(default: &str) -> env_logger::Builder {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
+/// The error and its causes on one line, as job scripts read it: what `{:#}` prints, except
+/// that a cause the message already states is not repeated. Most of the engine's errors name
+/// their cause in their own text (`source DIR: No such file or directory`) and also return it
+/// as their `source()`, which `{:#}` would print a second time.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+    use anyhow::Context;
+
+    #[test]
+    fn one_line_keeps_context_and_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOENT);
+        // Context over a plain cause: both, as `{:#}` prints them.
+        let e = Err::<(), _>(io()).context("source /x").unwrap_err();
+        assert_eq!(one_line(&e), format!("source /x: {}", io()));
+        // An error that states its own source: the source is not printed twice.
+        let e = anyhow::Error::from(crate::daemon::MountError::Source {
+            path: "/x".into(),
+            source: io(),
+        });
+        assert_eq!(one_line(&e), format!("source /x: {}", io()));
+    }
 }

@@ -5,6 +5,7 @@ use std::io::{BufWriter, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 
+use anyhow::Context;
 use clap::Args;
 
 use super::{LayoutArgs, SamplerArgs};
@@ -38,37 +39,31 @@ pub struct OrderArgs {
     pub paths: bool,
 }
 
-pub fn run(args: OrderArgs) -> Result<(), String> {
-    let (cfg, ranks) = args.sampler.config().map_err(|e| e.to_string())?;
+pub fn run(args: OrderArgs) -> anyhow::Result<()> {
+    let (cfg, ranks) = args.sampler.config()?;
     let (len, dataset) = match &args.source {
         Some(dir) => {
-            let catalog = Catalog::scan(dir, 16).map_err(|e| e.to_string())?;
+            let catalog = Catalog::scan(dir, 16)?;
             let layout = Layout::build(
                 &catalog,
                 args.layout.layout,
                 &args.layout.extensions(),
                 args.layout.list_file.as_deref(),
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
             (layout.len() as u64, Some((catalog, layout)))
         }
         None => (args.len.unwrap_or(0), None),
     };
-    cfg.validate(len, &ranks).map_err(|e| e.to_string())?;
+    cfg.validate(len, &ranks)?;
     let stdout = std::io::stdout();
     let mut out = BufWriter::with_capacity(1 << 20, stdout.lock());
     for epoch in args.epoch..args.epoch.saturating_add(args.epochs) {
-        let order = cfg
-            .node_order(len, epoch, &ranks)
-            .map_err(|e| e.to_string())?;
+        let order = cfg.node_order(len, epoch, &ranks)?;
         let written = match (&dataset, args.paths) {
             (Some((catalog, layout)), true) => order.iter().try_for_each(|&i| {
-                let file = layout.file(i);
-                let path = if file == Layout::NO_FILE {
-                    PathBuf::from("?")
-                } else {
-                    catalog.relative_path(file)
-                };
+                let path = layout
+                    .file_of(i)
+                    .map_or_else(|| PathBuf::from("?"), |file| catalog.relative_path(file));
                 out.write_all(path.as_os_str().as_bytes())?;
                 out.write_all(b"\n")
             }),
@@ -79,13 +74,11 @@ pub fn run(args: OrderArgs) -> Result<(), String> {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
                 return Ok(());
             }
-            return Err(format!("writing the order: {e}"));
+            return Err(e).context("writing the order");
         }
     }
     match out.flush() {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-            Err(format!("writing the order: {e}"))
-        }
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing the order"),
         _ => Ok(()),
     }
 }

@@ -1,5 +1,7 @@
 //! Parsing the sizes and counts users type: `200G`, `500M`, `1.5T`, `4096`.
 
+use crate::daemon::Lookahead;
+
 /// Byte multipliers, binary as `df -h` and `du -h` mean them.
 const UNITS: &[(&str, u64)] = &[
     ("K", 1 << 10),
@@ -64,24 +66,27 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
     Ok(bytes)
 }
 
-/// `--lookahead`: a plain number counts files, a size (with a unit) bounds bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lookahead {
-    Files(u64),
-    Bytes(u64),
+/// Why a `--lookahead` value is not one.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LookaheadError {
+    #[error("'{0}' is too large")]
+    TooLarge(String),
+    #[error("'{0}' is neither a file count (e.g. 5000) nor a size (e.g. 20G)")]
+    Neither(String),
 }
 
-pub fn parse_lookahead(input: &str) -> Result<Lookahead, String> {
+/// `--lookahead`: a plain number counts files, a size (with a unit) bounds bytes.
+pub fn parse_lookahead(input: &str) -> Result<Lookahead, LookaheadError> {
     let s = input.trim();
     if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
         return s
             .parse()
             .map(Lookahead::Files)
-            .map_err(|_| format!("'{input}' is too large"));
+            .map_err(|_| LookaheadError::TooLarge(input.to_string()));
     }
     parse_size(s)
         .map(Lookahead::Bytes)
-        .map_err(|_| format!("'{input}' is neither a file count (e.g. 5000) nor a size (e.g. 20G)"))
+        .map_err(|_| LookaheadError::Neither(input.to_string()))
 }
 
 #[cfg(test)]

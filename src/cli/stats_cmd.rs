@@ -10,9 +10,11 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use anyhow::anyhow;
 use clap::Args;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::daemon::mounts;
 use crate::stats::Snapshot;
 
 #[derive(Args, Debug)]
@@ -33,46 +35,60 @@ pub struct StatsArgs {
 /// Shortest and longest `--interval`: faster would keep the daemon busy answering.
 const INTERVALS: std::ops::RangeInclusive<f64> = 0.1..=3600.0;
 
-fn parse_interval(s: &str) -> Result<Duration, String> {
+#[derive(Debug, thiserror::Error)]
+#[error("give a number of seconds from {} to {}", INTERVALS.start(), INTERVALS.end())]
+struct IntervalError;
+
+fn parse_interval(s: &str) -> Result<Duration, IntervalError> {
     match s.parse::<f64>() {
         Ok(secs) if INTERVALS.contains(&secs) => Ok(Duration::from_secs_f64(secs)),
-        _ => Err(format!(
-            "give a number of seconds from {} to {}",
-            INTERVALS.start(),
-            INTERVALS.end()
-        )),
+        _ => Err(IntervalError),
     }
 }
 
-pub fn read_snapshot(mountpoint: &Path) -> Result<Snapshot, String> {
+pub fn read_snapshot(mountpoint: &Path) -> anyhow::Result<Snapshot> {
     let raw = read_xattr(mountpoint, crate::fs::STATS_XATTR)?;
     serde_json::from_slice(&raw)
-        .map_err(|e| format!("{}: unreadable statistics ({e})", mountpoint.display()))
+        .map_err(|e| anyhow!("{}: unreadable statistics ({e})", mountpoint.display()))
 }
 
 /// How long a daemon gets to answer before it counts as stopped or wedged.
 pub const ANSWER_WAIT: Duration = Duration::from_secs(5);
 
-/// Attribute `name` of `path`, or why not, in one line. Bounded by [`ANSWER_WAIT`]: a stopped
-/// daemon's mount would block getxattr forever.
-pub fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, String> {
+/// Why a mount's attribute could not be read.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum XattrError {
+    #[error(
+        "{}: its stagefs daemon did not answer within {ANSWER_WAIT:?} (stopped or wedged); `stagefs unmount {}` removes the mount",
+        .0.display(),
+        .0.display()
+    )]
+    NoAnswer(PathBuf),
+    #[error("{} is inside a stagefs mount, not its root: give the mount point", .0.display())]
+    InsideMount(PathBuf),
+    #[error("{} is not a stagefs mount", .0.display())]
+    NotStagefs(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Attribute `name` of `path`, or why not. Bounded by [`ANSWER_WAIT`]: a stopped daemon's
+/// mount would block getxattr forever.
+pub(super) fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, XattrError> {
     let (p, n) = (path.to_path_buf(), name.to_string());
-    let Some(answer) = super::mounts::bounded(ANSWER_WAIT, move || getxattr(&p, &n)) else {
-        return Err(format!(
-            "{}: its stagefs daemon did not answer within {ANSWER_WAIT:?} (stopped or wedged); `stagefs unmount {}` removes the mount",
-            path.display(),
-            path.display()
-        ));
+    let Some(answer) = mounts::bounded(ANSWER_WAIT, move || getxattr(&p, &n)) else {
+        return Err(XattrError::NoAnswer(path.to_path_buf()));
     };
     answer.map_err(|e| match e.raw_os_error() {
-        Some(libc::ENODATA) if is_inside_mount(path) => format!(
-            "{} is inside a stagefs mount, not its root: give the mount point",
-            path.display()
-        ),
-        Some(libc::ENODATA) | Some(libc::ENOTSUP) => {
-            format!("{} is not a stagefs mount", path.display())
-        }
-        _ => format!("{}: {e}", path.display()),
+        Some(libc::ENODATA) if is_inside_mount(path) => XattrError::InsideMount(path.into()),
+        Some(libc::ENODATA) | Some(libc::ENOTSUP) => XattrError::NotStagefs(path.into()),
+        _ => XattrError::Io {
+            path: path.into(),
+            source: e,
+        },
     })
 }
 
@@ -153,7 +169,7 @@ pub fn table(s: &Snapshot) -> String {
     rows.iter().map(|(k, v)| format!("{k:<24}{v}\n")).collect()
 }
 
-pub fn run(args: StatsArgs) -> Result<(), String> {
+pub fn run(args: StatsArgs) -> anyhow::Result<()> {
     let first = read_snapshot(&args.mountpoint)?;
     if args.json {
         println!(
@@ -202,7 +218,7 @@ pub fn status_line(s: &Snapshot, mbps: f64) -> String {
     )
 }
 
-fn watch(args: &StatsArgs, first: Snapshot) -> Result<(), String> {
+fn watch(args: &StatsArgs, first: Snapshot) -> anyhow::Result<()> {
     // Drawn in place only when stdout is a terminal (hidden otherwise: then we print lines).
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
     bar.set_style(ProgressStyle::with_template("{msg}").expect("valid template"));

@@ -3,14 +3,13 @@
 //! not answer gets its FUSE connection aborted (fusectl) and its mount detached lazily.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context, anyhow, bail};
 use clap::Args;
 
-use super::mount::which;
-use super::mounts::{self, MountEntry};
 use super::stats_cmd::{ANSWER_WAIT, getxattr};
+use crate::daemon::mounts::{self, FUSERMOUNT, HelperError, MountEntry};
 
 /// How long to wait for the kernel to drop the mount after asking.
 const UNMOUNT_WAIT: Duration = Duration::from_secs(10);
@@ -21,11 +20,11 @@ pub struct UnmountArgs {
     pub mountpoint: PathBuf,
 }
 
-pub fn run(args: UnmountArgs) -> Result<(), String> {
+pub fn run(args: UnmountArgs) -> anyhow::Result<()> {
     let mp = args.mountpoint;
     // Found in the mount table, not by stat: a stopped daemon's mount never answers a stat.
     let Some(mount) = mounts::at(&mp).pop() else {
-        return Err(format!("{} is not a mount point", mp.display()));
+        bail!("{} is not a mount point", mp.display());
     };
     // The daemon's pid, to wait for it to exit so its cache is free for the next mount. A dead
     // daemon's mount answers ENOTCONN at once; a stopped or wedged one not at all.
@@ -62,28 +61,28 @@ pub fn run(args: UnmountArgs) -> Result<(), String> {
 
 /// Removes a mount whose daemon does not answer: aborts its FUSE connection (every waiting
 /// call fails at once) and detaches it lazily, then says on one line what was done.
-fn force(mp: &Path, mount: &MountEntry, why: &str) -> Result<(), String> {
+fn force(mp: &Path, mount: &MountEntry, why: &str) -> anyhow::Result<()> {
     let mut done = Vec::new();
     if mount.fstype.starts_with("fuse") {
         mounts::abort_connection(mount)
-            .map_err(|e| format!("{} does not answer ({why}) and {e}", mp.display()))?;
+            .map_err(|e| anyhow!("{} does not answer ({why}) and {e}", mp.display()))?;
         done.push(format!("aborted its FUSE connection {}", mount.minor));
     }
     // Only if it is still the mount on top there: never detach a mount made since.
-    if mounts::at(mp).last().is_some_and(|m| m.same(mount)) {
+    if mounts::on_top(mp, mount) {
         let path = mp.to_path_buf();
         match mounts::bounded(UNMOUNT_WAIT, move || {
             mounts::umount(&path, libc::MNT_DETACH)
         }) {
             Some(Ok(())) => done.push("detached it".to_string()),
             Some(Err(e)) if e.raw_os_error() == Some(libc::EINVAL) => {}
-            Some(Err(e)) => return Err(format!("cannot detach {}: {e}", mp.display())),
-            None => {
-                return Err(format!(
-                    "{} does not answer ({why}) and detaching it hangs too",
-                    mp.display()
-                ));
+            Some(Err(e)) => {
+                return Err(e).with_context(|| format!("cannot detach {}", mp.display()));
             }
+            None => bail!(
+                "{} does not answer ({why}) and detaching it hangs too",
+                mp.display()
+            ),
         }
     }
     wait_gone(mp, mount)?;
@@ -100,22 +99,24 @@ fn wait_exit(pid: i32) {
     }
 }
 
-fn detach(mp: &Path, mount: &MountEntry, dead: bool) -> Result<(), String> {
+/// Unmounts with the system's helpers first (they keep libmount's records straight), then
+/// with umount2 itself. Unlike the daemon stopping, a busy mount is reported, not hidden: the
+/// user can close what holds it.
+fn detach(mp: &Path, mount: &MountEntry, dead: bool) -> anyhow::Result<()> {
     let mut last_error = String::new();
     let root = crate::sys::euid() == 0;
     // As root, umount(8) also drops the mount's line from libmount's utab (fstab mounts made
     // with the mount helper have one); otherwise fusermount3 is what may unmount.
     let helpers: &[(&str, &[&str])] = if root && !dead {
-        &[("umount", &[]), ("fusermount3", &["-u"])]
+        &[("umount", &[]), (FUSERMOUNT, &["-u"])]
     } else {
-        &[("fusermount3", &["-u"])]
+        &[(FUSERMOUNT, &["-u"])]
     };
     for (tool, flags) in helpers {
-        let Some(path) = which(tool) else { continue };
-        match Command::new(path).args(*flags).arg(mp).output() {
-            Ok(out) if out.status.success() => return wait_gone(mp, mount),
-            Ok(out) => last_error = String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            Err(e) => last_error = e.to_string(),
+        match mounts::run_helper(tool, flags, mp) {
+            Ok(()) => return wait_gone(mp, mount),
+            Err(HelperError::NotFound(_)) => {}
+            Err(HelperError::Failed(why)) => last_error = why,
         }
     }
     // A dead daemon's mount is detached lazily; a live one is unmounted normally so a busy
@@ -126,33 +127,26 @@ fn detach(mp: &Path, mount: &MountEntry, dead: bool) -> Result<(), String> {
         Err(e) => e,
     };
     if e.raw_os_error() == Some(libc::EBUSY) {
-        return Err(format!(
+        bail!(
             "{} is busy: a process still uses it (see `fuser -vm {}`)",
             mp.display(),
             mp.display()
-        ));
+        );
     }
-    Err(format!(
-        "cannot unmount {}: {}",
-        mp.display(),
-        if last_error.is_empty() {
-            e.to_string()
-        } else {
-            last_error
-        }
-    ))
+    let why = if last_error.is_empty() {
+        e.to_string()
+    } else {
+        last_error
+    };
+    bail!("cannot unmount {}: {why}", mp.display())
 }
 
 /// Waits for `mount` (at `mp`) to leave the mount table.
-fn wait_gone(mp: &Path, mount: &MountEntry) -> Result<(), String> {
+fn wait_gone(mp: &Path, mount: &MountEntry) -> anyhow::Result<()> {
     let deadline = Instant::now() + UNMOUNT_WAIT;
     while mounts::exists(mount) {
         if Instant::now() > deadline {
-            return Err(format!(
-                "{} is still mounted after {:?}",
-                mp.display(),
-                UNMOUNT_WAIT
-            ));
+            bail!("{} is still mounted after {UNMOUNT_WAIT:?}", mp.display());
         }
         std::thread::sleep(Duration::from_millis(50));
     }

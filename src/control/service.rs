@@ -61,10 +61,7 @@ struct ControlSession {
 
 impl Session for ControlSession {
     fn handle(&mut self, request: Request) -> Result<Reply, String> {
-        let data = self
-            .data
-            .upgrade()
-            .ok_or("the mount is going away")?;
+        let data = self.data.upgrade().ok_or("the mount is going away")?;
         match request {
             Request::Dataset { paths } => self.register(&data, paths),
             Request::Order {
@@ -76,7 +73,9 @@ impl Session for ControlSession {
                 indices,
             } => {
                 if world_size == 0 || rank >= world_size {
-                    return Err(format!("rank {rank} is not below the world size {world_size}"));
+                    return Err(format!(
+                        "rank {rank} is not below the world size {world_size}"
+                    ));
                 }
                 let files = self.files_of(dataset, &indices)?;
                 let count = files.len();
@@ -123,19 +122,22 @@ impl ControlSession {
             .with("files", found))
     }
 
-
     /// The files `indices` read, in order, through a registered dataset or the mount's layout.
     /// Indices whose file is not on the mount are left out (the job reads them elsewhere).
     fn files_of(&self, dataset: Option<u64>, indices: &[u64]) -> Result<Vec<FileId>, String> {
         if indices.len() > MAX_ANNOUNCED {
-            return Err(format!("more than {MAX_ANNOUNCED} indices in one announcement"));
+            return Err(format!(
+                "more than {MAX_ANNOUNCED} indices in one announcement"
+            ));
         }
         let lookup: Box<dyn Fn(usize) -> Option<FileId> + '_> = match dataset {
             Some(handle) => {
                 let files = usize::try_from(handle)
                     .ok()
                     .and_then(|h| self.datasets.get(h))
-                    .ok_or_else(|| format!("no dataset {handle} was registered on this connection"))?;
+                    .ok_or_else(|| {
+                        format!("no dataset {handle} was registered on this connection")
+                    })?;
                 check_range(indices, files.len(), "the registered dataset")?;
                 Box::new(move |i| files[i])
             }
@@ -157,7 +159,9 @@ fn file_at(data: &MountedDataset, relative: &str) -> Option<FileId> {
 
 fn check_range(indices: &[u64], len: usize, what: &str) -> Result<(), String> {
     match indices.iter().find(|&&i| i >= len as u64) {
-        Some(i) => Err(format!("index {i} is out of range: {what} has {len} samples")),
+        Some(i) => Err(format!(
+            "index {i} is out of range: {what} has {len} samples"
+        )),
         None => Ok(()),
     }
 }

@@ -263,6 +263,18 @@ impl Gate {
     }
 }
 
+/// Whether SOURCE lets `caller` read the dataset's root directory (`R_OK | X_OK`), asked as
+/// for an open: who besides the owner and root may use an `--allow-other` mount's control
+/// channel. A one-off gate, so nothing is cached between such checks.
+pub fn may_read_root(root: Arc<SourceRoot>, caller: Caller) -> Result<(), Refusal> {
+    Gate::new(root, 1).check(
+        caller,
+        crate::catalog::ROOT,
+        libc::R_OK | libc::X_OK,
+        PathBuf::new,
+    )
+}
+
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
 /// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
 /// stagefs mount; it checks search permission on every directory it passes.

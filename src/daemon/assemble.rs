@@ -1,0 +1,301 @@
+//! Building a running mount from a [`MountConfig`], one named step at a time: the catalog,
+//! the layout and plan, the cache and its capacity, the stager, and the FUSE session. Nothing
+//! is left mounted (and nothing staged) if a step fails.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use fuser::{Config, MountOption, SessionACL};
+
+use super::checks::{absolute_for_new, claim_mountpoint, preflight};
+use super::lifecycle::{RunningMount, block_termination_signals};
+use super::{Capacity, Lookahead, MountConfig, MountError, mounts};
+use crate::cache::{CacheDir, index_path};
+use crate::catalog::{Catalog, IndexError, Layout, index};
+use crate::control::{AdmitOther, ControlServer, MountControl, Peer};
+use crate::fs::{Caller, MountedDataset, StageFs, may_read_root};
+use crate::plan::{Plan, TrackerSettings};
+use crate::stager::{LocalSource, SourceRoot, Stager, StagerSettings};
+use crate::stats::Counters;
+
+/// Share of the cache file system kept free with [`Capacity::FreeSpace`]: room for whatever
+/// else the node writes there.
+const FREE_SHARE: f64 = 0.10;
+/// Shortest open timeout: zero would fail every open that has to wait at all.
+const MIN_OPEN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Builds catalog, plan, cache and stager, and mounts.
+pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
+    preflight(config)?;
+    let source = fs::canonicalize(&config.source).map_err(|e| MountError::Source {
+        path: config.source.clone(),
+        source: e,
+    })?;
+    // Not a mount point (checked above), so resolving it does not enter one.
+    let mountpoint = fs::canonicalize(&config.mountpoint).map_err(|e| MountError::Mountpoint {
+        path: config.mountpoint.clone(),
+        source: e,
+    })?;
+    let cache_root = absolute_for_new(&config.cache)?;
+    let (catalog, scanned) = load_catalog(config, &source, &cache_root)?;
+    let catalog = Arc::new(catalog);
+    let plan = build_plan(config, &catalog)?;
+    let cache = CacheDir::open(&cache_root, &source)?;
+    let settings = stager_settings(config, &cache)?;
+    // Signals must be blocked before any long-lived thread exists so none of them takes a
+    // SIGTERM (the scan's threads have ended by now).
+    block_termination_signals();
+    if scanned {
+        save_index_later(catalog.clone(), index_path(&cache_root));
+    }
+    let source_root = SourceRoot::open(&source).map_err(|e| MountError::Source {
+        path: source.clone(),
+        source: e,
+    })?;
+    let source_root = Arc::new(source_root);
+    // Held until mounted; taken before staging starts so a refused mount copies nothing.
+    let claim = claim_mountpoint(&mountpoint)?;
+    let layout = plan.layout().clone();
+    let data = Arc::new(start_stager(
+        config,
+        catalog,
+        plan,
+        cache,
+        settings,
+        source_root,
+    ));
+    let control = start_control(config, &data, layout)?;
+    let running = mount_fuse(config, data, control, &source, mountpoint)?;
+    drop(claim);
+    Ok(running)
+}
+
+/// The catalog from `index`, else from the index a previous mount kept in the cache, else
+/// from a scan of SOURCE. Returns whether it was scanned (so the index should be saved).
+fn load_catalog(
+    config: &MountConfig,
+    source: &Path,
+    cache_root: &Path,
+) -> Result<(Catalog, bool), MountError> {
+    let from_index = |path: &Path| -> Result<Catalog, IndexError> {
+        let started = Instant::now();
+        let catalog = index::load(path, source)?;
+        index::check_fresh(&catalog, path, config.scan_threads)?;
+        log::info!(
+            "loaded {} entries from index {} in {:.2?}",
+            catalog.len(),
+            path.display(),
+            started.elapsed()
+        );
+        Ok(catalog)
+    };
+    let (catalog, scanned) = match &config.index {
+        Some(path) => (from_index(path)?, false),
+        None => match index_path(cache_root) {
+            kept if kept.exists() => match from_index(&kept) {
+                Ok(c) => (c, false),
+                Err(e) => {
+                    log::info!("not using the cache's index: {e}; scanning");
+                    (Catalog::scan(source, config.scan_threads)?, true)
+                }
+            },
+            _ => (Catalog::scan(source, config.scan_threads)?, true),
+        },
+    };
+    log::info!(
+        "catalog: {} entries in {:.1} MB ({:.0} bytes per entry)",
+        catalog.len(),
+        catalog.heap_bytes() as f64 / 1e6,
+        catalog.heap_bytes() as f64 / catalog.len() as f64
+    );
+    Ok((catalog, scanned))
+}
+
+/// Index → file as the job's dataset class numbers them, and the node's stream over it.
+fn build_plan(config: &MountConfig, catalog: &Arc<Catalog>) -> Result<Arc<Plan>, MountError> {
+    let layout = Layout::build(
+        catalog,
+        config.layout,
+        &config.extensions,
+        config.list_file.as_deref(),
+    )?;
+    if !layout.classes().is_empty() {
+        log::info!(
+            "{} classes, {} samples",
+            layout.classes().len(),
+            layout.len()
+        );
+    }
+    let (sampler, ranks) = (config.sampler.clone(), config.ranks.clone());
+    let plan = Plan::new(sampler, ranks, Arc::new(layout), catalog.len())?;
+    plan.check_epoch_reachable(config.epoch)?;
+    Ok(Arc::new(plan))
+}
+
+/// Starts staging (at the job's first epoch) and bundles what the FUSE layer serves from.
+fn start_stager(
+    config: &MountConfig,
+    catalog: Arc<Catalog>,
+    plan: Arc<Plan>,
+    cache: CacheDir,
+    settings: StagerSettings,
+    source_root: Arc<SourceRoot>,
+) -> MountedDataset {
+    let counters = Arc::new(Counters::default());
+    let local = Arc::new(LocalSource::new(source_root.clone()));
+    let capacity = settings.capacity;
+    let stager = Stager::start(
+        catalog.clone(),
+        local,
+        cache,
+        plan.clone(),
+        settings,
+        counters.clone(),
+    );
+    if config.epoch > 0 {
+        stager.set_epoch(config.epoch);
+    }
+    log::info!(
+        "{} files ({} bytes); {} positions per epoch on this node; cache capacity {capacity} bytes",
+        catalog.file_count(),
+        catalog.total_file_bytes(),
+        plan.epoch_len(),
+    );
+    MountedDataset {
+        catalog,
+        stager,
+        counters,
+        sampler_name: config.sampler.kind.to_string(),
+        started: Instant::now(),
+        passthrough_wanted: config.passthrough,
+        source_root,
+        control_address: Default::default(),
+    }
+}
+
+/// Opens the mount's control channel (the job's announcements, `stagefs epoch`) and
+/// publishes its address on the root (`user.stagefs.control`). On an `--allow-other` mount,
+/// users besides the owner and root may use it if SOURCE lets them read the dataset's root.
+fn start_control(
+    config: &MountConfig,
+    data: &Arc<MountedDataset>,
+    layout: Arc<Layout>,
+) -> Result<ControlServer, MountError> {
+    let admit_other = config.allow_other.then(|| {
+        let root = data.source_root.clone();
+        Box::new(move |peer: Peer| {
+            let caller = Caller {
+                uid: peer.uid,
+                gid: peer.gid,
+                pid: peer.pid,
+            };
+            may_read_root(root.clone(), caller).map_err(|e| {
+                format!("{e}: only users who may read the dataset may control this mount")
+            })
+        }) as AdmitOther
+    });
+    let service = MountControl {
+        data: Arc::downgrade(data),
+        layout,
+        owner: crate::sys::euid(),
+        admit_other,
+    };
+    let server = ControlServer::start(Arc::new(service))?;
+    let _ = data.control_address.set(server.address().to_string());
+    Ok(server)
+}
+
+/// Keeps a freshly scanned catalog for the next mount of this cache, off the start-up path.
+fn save_index_later(catalog: Arc<Catalog>, path: PathBuf) {
+    std::thread::spawn(move || {
+        if let Err(e) = index::save(&catalog, &path) {
+            log::warn!("{e}; the next mount will scan again");
+        }
+    });
+}
+
+/// The stager's limits, with the capacity resolved against the cache's file system.
+fn stager_settings(config: &MountConfig, cache: &CacheDir) -> Result<StagerSettings, MountError> {
+    let capacity = match config.capacity {
+        Capacity::Bytes(c) => c,
+        Capacity::FreeSpace => {
+            let (free, total) = cache
+                .filesystem_space()
+                .map_err(|e| MountError::CacheSpace {
+                    path: config.cache.clone(),
+                    source: e,
+                })?;
+            free.saturating_sub((total as f64 * FREE_SHARE) as u64)
+        }
+    };
+    // The stager takes both limits; the one not given is unlimited.
+    let (lookahead_files, lookahead_bytes) = match config.lookahead {
+        Some(Lookahead::Files(n)) => (n.max(1), u64::MAX),
+        Some(Lookahead::Bytes(b)) => (u64::MAX, b.max(1)),
+        None => (u64::MAX, u64::MAX),
+    };
+    Ok(StagerSettings {
+        threads: config.stage_threads,
+        lookahead_files,
+        lookahead_bytes,
+        capacity,
+        read_through_above: config.read_through_above,
+        retries: config.retries,
+        open_timeout: config.open_timeout.max(MIN_OPEN_TIMEOUT),
+        tracker: TrackerSettings {
+            window: config.window,
+            ..TrackerSettings::default()
+        },
+    })
+}
+
+/// Mounts the file system and finds the mount it made in the mount table.
+fn mount_fuse(
+    config: &MountConfig,
+    data: Arc<MountedDataset>,
+    control: ControlServer,
+    source: &Path,
+    mountpoint: PathBuf,
+) -> Result<RunningMount, MountError> {
+    let fs_impl = StageFs::new(data.clone());
+    let passthrough = fs_impl.passthrough_flag();
+    let mut fuse = Config::default();
+    fuse.mount_options = vec![
+        MountOption::FSName(source.display().to_string()),
+        MountOption::Subtype("stagefs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoAtime,
+    ];
+    fuse.acl = if config.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    fuse.n_threads = Some(config.fuse_threads);
+    fuse.clone_fd = true;
+    let session =
+        fuser::spawn_mount(fs_impl, &mountpoint, &fuse).map_err(|e| MountError::Mount {
+            path: mountpoint.clone(),
+            source: e,
+        })?;
+    // Under the claim, the FUSE mount on top at the mountpoint is the one just made (its type
+    // reads `fuse` or `fuse.stagefs` depending on how it was mounted).
+    let mount = mounts::at(&mountpoint)
+        .into_iter()
+        .rfind(|m| m.fstype.starts_with("fuse"))
+        .ok_or_else(|| MountError::MountNotListed(mountpoint.clone()))?;
+    log::info!("passthrough in use: {}", passthrough.load(Ordering::SeqCst));
+    Ok(RunningMount {
+        session,
+        control,
+        data,
+        passthrough,
+        mountpoint,
+        mount,
+    })
+}

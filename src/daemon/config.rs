@@ -1,0 +1,120 @@
+//! [`MountConfig`]: everything a mount needs, as typed values. The command line parses into
+//! it (`cli::mount`), the demo builds one directly; the daemon never sees argv.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
+use crate::order::{SamplerConfig, SamplerKind};
+
+/// How far ahead of the reader the stager may copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookahead {
+    /// At most this many files past the reader.
+    Files(u64),
+    /// At most this many bytes past the reader.
+    Bytes(u64),
+}
+
+/// How much the cache may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Capacity {
+    /// Exactly this many bytes.
+    Bytes(u64),
+    /// The cache file system's free space at mount time minus 10% of its size, so the node
+    /// keeps room for everything else written there.
+    #[default]
+    FreeSpace,
+}
+
+/// One mount, fully described. [`Default`] gives the command line's defaults, with empty
+/// paths: set `source`, `mountpoint` and `cache`.
+#[derive(Clone, Debug)]
+pub struct MountConfig {
+    /// Dataset directory (on the parallel file system).
+    pub source: PathBuf,
+    /// Where the dataset appears: an existing empty directory.
+    pub mountpoint: PathBuf,
+    /// Node-local directory for staged files (created, private 0700).
+    pub cache: PathBuf,
+    /// Most the cache may hold.
+    pub capacity: Capacity,
+    /// The job's sampler, to predict its order.
+    pub sampler: SamplerConfig,
+    /// The ranks this mount serves (one node may run several).
+    pub ranks: Vec<u32>,
+    /// Epoch the job starts at (a resumed job's epoch).
+    pub epoch: u64,
+    /// How the dataset class numbers its files.
+    pub layout: LayoutKind,
+    /// ImageFolder: file name endings that count as samples, with their dot, matched
+    /// case-insensitively.
+    pub extensions: Vec<String>,
+    /// List layout: one relative path per line, line i = sample i.
+    pub list_file: Option<PathBuf>,
+    /// Concurrent copies from the source.
+    pub stage_threads: usize,
+    /// How far ahead of the reader to stage; `None` is as far as the cache allows.
+    pub lookahead: Option<Lookahead>,
+    /// Files at least this large (bytes) are read through from the source while they are
+    /// copied, instead of waited for.
+    pub read_through_above: u64,
+    /// Retries of a failed source read before the reader gets EIO.
+    pub retries: u32,
+    /// Longest a reader waits for a copy before it gets EIO (at least one second is used).
+    pub open_timeout: Duration,
+    /// How far out of order (in samples) the job's opens may come.
+    pub window: u64,
+    /// Stay in the foreground instead of detaching once mounted.
+    pub foreground: bool,
+    /// Let other users use the mount (SOURCE permissions are enforced).
+    pub allow_other: bool,
+    /// Threads answering FUSE requests.
+    pub fuse_threads: usize,
+    /// Concurrent directory scans at mount time.
+    pub scan_threads: usize,
+    /// Serve cache hits through FUSE passthrough where the kernel offers it.
+    pub passthrough: bool,
+    /// Start from this saved catalog instead of the cache's own index or a scan.
+    pub index: Option<PathBuf>,
+    /// Log file of the detached daemon; `None` is `CACHE/stagefs/stagefs.log`.
+    pub log_file: Option<PathBuf>,
+    /// Write Prometheus metrics here every few seconds.
+    pub metrics_file: Option<PathBuf>,
+}
+
+impl Default for MountConfig {
+    fn default() -> Self {
+        MountConfig {
+            source: PathBuf::new(),
+            mountpoint: PathBuf::new(),
+            cache: PathBuf::new(),
+            capacity: Capacity::FreeSpace,
+            sampler: SamplerConfig::new(SamplerKind::TorchDistributed),
+            ranks: vec![0],
+            epoch: 0,
+            layout: LayoutKind::ImageFolder,
+            extensions: DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+            list_file: None,
+            // A parallel file system serves many reads at once.
+            stage_threads: 16,
+            lookahead: None,
+            // 64 MiB: below it a copy finishes about as fast as a read-through would start.
+            read_through_above: 64 << 20,
+            retries: 3,
+            open_timeout: Duration::from_secs(60),
+            // Roughly workers × prefetch × batch × local ranks of a large job.
+            window: 65_536,
+            foreground: false,
+            allow_other: false,
+            // Parallel DataLoader workers need several.
+            fuse_threads: 8,
+            // Metadata calls to a parallel file system are slow: overlap them.
+            scan_threads: 16,
+            passthrough: true,
+            index: None,
+            log_file: None,
+            metrics_file: None,
+        }
+    }
+}
