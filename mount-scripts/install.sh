@@ -11,6 +11,7 @@
 #   PREFIX/libexec/stagefs/   stagefs-run, mount.fuse.stagefs, slurm-prolog.sh,
 #                             slurm-epilog.sh, stagefs-lib.sh, slurm-example.sbatch
 #   PREFIX/bin/stagefs-run -> ../libexec/stagefs/stagefs-run
+#   PREFIX/lib/stagefs/python/  the feed hook (what `stagefs feed-env` puts on PYTHONPATH)
 #   SBINDIR/mount.fuse.stagefs -> PREFIX/libexec/stagefs/mount.fuse.stagefs
 #   UNITDIR/stagefs@.service  (ExecStart/ExecStop pointing at PREFIX/bin/stagefs)
 # The scripts find the binary as ../../bin/stagefs from their own directory, so any PREFIX
@@ -54,6 +55,9 @@ for f in stagefs-run mount.fuse.stagefs slurm-prolog.sh slurm-epilog.sh; do
   install -m 0755 "$here/$f" "$dest$libexec/$f"
 done
 install -m 0644 "$here/stagefs-lib.sh" "$here/slurm-example.sbatch" "$dest$libexec/"
+install -d "$dest$prefix/lib/stagefs/python/stagefs_feed"
+install -m 0644 "$here/../python/sitecustomize.py" "$dest$prefix/lib/stagefs/python/"
+install -m 0644 "$here/../python/stagefs_feed/"*.py "$dest$prefix/lib/stagefs/python/stagefs_feed/"
 ln -sfn ../libexec/stagefs/stagefs-run "$dest$prefix/bin/stagefs-run"
 ln -sfn "$libexec/mount.fuse.stagefs" "$dest$sbindir/mount.fuse.stagefs"
 sed "s|/usr/local/bin/stagefs|$prefix/bin/stagefs|g" "$here/stagefs@.service" \

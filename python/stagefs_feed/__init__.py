@@ -37,13 +37,15 @@ _MODULE = "torch.utils.data.dataloader"
 _lock = threading.Lock()
 _installed = False
 _warned = set()
-# mountpoint -> Channel (one connection per process and mount)
+# mountpoint -> Channel (one connection per process and mount, opened at the first announcement)
 _channels = {}
 # mountpoint -> how many epochs this process announced there: the epoch number the daemon
 # files an announcement under, the same on every rank as long as ranks iterate alike.
 _epochs = {}
 # id(dataset) -> (dataset, target); the dataset is kept so its id is never reused.
 _targets = {}
+# Mounts that failed or refused: no more announcements to them from this process.
+_disabled = set()
 
 
 def _warn(key, message):
@@ -180,8 +182,11 @@ def _rank():
 
 
 def _announce(target, loader, sampler, drawn):
-    mountpoint, paths = target
-    channel = _channels[mountpoint]
+    mountpoint, address, paths = target
+    with _lock:
+        if mountpoint in _disabled:
+            return
+        channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
     batched = loader._auto_collation
     indices = _flatten(drawn, batched)
     rank, world = _rank()
@@ -196,7 +201,12 @@ def _announce(target, loader, sampler, drawn):
         if ahead is not None:
             _send_order(channel, dataset, epoch + 1, rank, world, ahead, current=False)
     except ChannelError as e:
-        _warn(("channel", mountpoint, str(e)), str(e))
+        # Gone, stopped or refusing: it will be next epoch too. Say so once and leave it be.
+        with _lock:
+            _channels.pop(mountpoint, None)
+            _disabled.add(mountpoint)
+        channel.close()
+        _warn(("channel", mountpoint), f"{e}; not announcing to it any more")
 
 
 def _send_order(channel, dataset, epoch, rank, world, indices, current):
@@ -254,8 +264,8 @@ def _dataset_paths(dataset):
 
 
 def _target_of(dataset):
-    """(mountpoint, paths relative to it or None) for `dataset`, or None if no stagefs mount
-    holds it. Looked up once per dataset."""
+    """(mountpoint, control address, paths relative to it or None) for `dataset`, or None if
+    no stagefs mount holds it. Looked up once per dataset."""
     key = id(dataset)
     if key in _targets:
         return _targets[key][1]
@@ -270,7 +280,7 @@ def _target_of(dataset):
                 p[len(prefix):] if p.startswith(prefix) else None
                 for p in (os.path.abspath(p) for p in paths)
             ]
-            target = (mountpoint, relative)
+            target = (mountpoint, address, relative)
     elif os.environ.get("STAGEFS_FEED_MOUNT"):
         found = mount_of(os.environ["STAGEFS_FEED_MOUNT"])
         if found is None:
@@ -278,11 +288,7 @@ def _target_of(dataset):
                   f"STAGEFS_FEED_MOUNT={os.environ['STAGEFS_FEED_MOUNT']} is not a stagefs mount")
         else:
             mountpoint, address = found
-            target = (mountpoint, None)
-    if target is not None:
-        with _lock:
-            if target[0] not in _channels:
-                _channels[target[0]] = Channel(target[0], found[1])
+            target = (mountpoint, address, None)
     _targets[key] = (dataset, target)
     return target
 

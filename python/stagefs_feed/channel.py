@@ -18,8 +18,9 @@ CONTROL_XATTR = "user.stagefs.control"
 # Connecting is local and answered at once by a live daemon; a stopped daemon (SIGSTOP) must
 # not hold the job for long.
 CONNECT_TIMEOUT = 2.0
-# An announcement of millions of indices takes the daemon about a second to check.
-REPLY_TIMEOUT = 60.0
+# An announcement of millions of indices takes the daemon about a second to check; a daemon
+# that has not answered in this long is stopped or wedged, and the job must go on without it.
+REPLY_TIMEOUT = 20.0
 
 
 class ChannelError(Exception):

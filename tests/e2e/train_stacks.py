@@ -13,7 +13,7 @@
 
 Prints one JSON line per epoch (see common.run_epochs); nothing here knows about stagefs.
 
-    python3 train_stacks.py ROOT --stack NAME [--persistent] [common options]
+    python3 train_stacks.py ROOT --stack NAME [--persistent] [--opaque] [common options]
 """
 
 import os
@@ -96,14 +96,31 @@ def loaders(args, ds, targets):
     return lambda _epoch: loader
 
 
+class Opaque:
+    """A dataset that reads its files itself and tells nobody which they are (no `samples`,
+    no `dataset`): the hook can only announce its indices, to STAGEFS_FEED_MOUNT."""
+
+    def __init__(self, folder):
+        self._read = folder.loader
+        self._paths = [p for p, _ in folder.samples]
+        self._targets = folder.targets
+
+    def __len__(self):
+        return len(self._paths)
+
+    def __getitem__(self, index):
+        return index, self._read(self._paths[index]), self._targets[index]
+
+
 def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--stack", required=True)
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--opaque", action="store_true", help="hide the dataset's file paths (see Opaque)")
     args = p.parse_args()
     torch.set_num_threads(1)
     folder = ImageFolder(args.root, loader=common.file_loader(args.decode))
-    ds = common.Indexed(folder)
+    ds = Opaque(folder) if args.opaque else common.Indexed(folder)
     common.run_epochs(args, loaders(args, ds, folder.targets))
     if args.stack == "ddp":
         torch.distributed.destroy_process_group()
