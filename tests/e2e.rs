@@ -885,7 +885,11 @@ fn fed_two_ranks_on_one_node_share_one_mount() {
     let after = mount.stats();
     for rank in 0..2 {
         let ((dlines, dorder), (lines, order)) = (&runs[2 * rank], &runs[2 * rank + 1]);
-        same_order(&format!("rank {rank}: through the mount vs direct"), order, dorder);
+        same_order(
+            &format!("rank {rank}: through the mount vs direct"),
+            order,
+            dorder,
+        );
         for (d, m) in dlines.iter().zip(lines) {
             assert_eq!(m["checksum"], d["checksum"], "rank {rank}: epoch checksum");
         }
@@ -894,7 +898,10 @@ fn fed_two_ranks_on_one_node_share_one_mount() {
     let (hits, misses) = (delta("hits"), delta("misses"));
     let ratio = hits as f64 / (hits + misses) as f64;
     // Epoch 0 ≥ 0.95 and the later ones ≥ 0.99, as for one rank: over three epochs ≥ 0.97.
-    assert!(ratio >= 0.97, "hit ratio {ratio:.4} over both ranks; {after}");
+    assert!(
+        ratio >= 0.97,
+        "hit ratio {ratio:.4} over both ranks; {after}"
+    );
     assert_eq!(after["mispredictions"], 0, "{after}");
     let log = mount.log_text();
     for rank in 0..2 {
@@ -922,8 +929,7 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
         epochs: 3,
         ..Launch::new("train_stacks.py", &args)
     };
-    let (want_lines, want_order) =
-        Job::spawn(work.path(), "plain", &plain, &source).finish(|_| {});
+    let (want_lines, want_order) = Job::spawn(work.path(), "plain", &plain, &source).finish(|_| {});
     for (case, sampler) in [("refused", "sequential"), ("killed", "feed")] {
         let mount = TestMount::new(&source, &work.path().join(case), &["--sampler", sampler]);
         let mut env = feed_env();

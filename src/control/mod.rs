@@ -42,6 +42,33 @@ pub enum ControlError {
     Bind(io::Error),
 }
 
+/// Why a request changed nothing: what the client reads back as `error`.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("not a valid request: {0}")]
+    Invalid(#[from] serde_json::Error),
+    #[error("rank {rank} is not below the world size {world_size}")]
+    Rank { rank: u32, world_size: u32 },
+    #[error("more than {max} {what} in one request")]
+    TooMany { what: &'static str, max: usize },
+    #[error("no dataset {0} was registered on this connection")]
+    NoDataset(u64),
+    #[error("index {index} is out of range: {what} has {len} samples")]
+    OutOfRange {
+        index: u64,
+        what: &'static str,
+        len: usize,
+    },
+    #[error("none of the {0} paths is a file on this mount (paths are relative to its root)")]
+    NoFiles(usize),
+    #[error("the mount is going away")]
+    Unmounting,
+    #[error(transparent)]
+    NotFed(#[from] crate::stager::NotFed),
+    #[error(transparent)]
+    Epoch(#[from] crate::order::OrderError),
+}
+
 /// Who is on the other end of a connection, as the kernel reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer {
@@ -53,7 +80,7 @@ pub struct Peer {
 /// What serves the requests of one connection (its state, e.g. registered datasets, lives as
 /// long as the connection).
 pub trait Session: Send {
-    fn handle(&mut self, request: Request) -> Result<Reply, String>;
+    fn handle(&mut self, request: Request) -> Result<Reply, RequestError>;
 }
 
 /// The daemon's side: who may connect, and a session for each connection admitted.
@@ -232,8 +259,10 @@ fn serve(stream: UnixStream, service: &dyn Service) {
                 return;
             }
             Ok(_) => match Request::parse(&line) {
-                Ok(request) => session.handle(request).unwrap_or_else(|e| Reply::error(&e)),
-                Err(e) => Reply::error(&e),
+                Ok(request) => session
+                    .handle(request)
+                    .unwrap_or_else(|e| Reply::error(&e.to_string())),
+                Err(e) => Reply::error(&e.to_string()),
             },
         };
         if writeln!(writer, "{}", reply.to_line()).is_err() {
@@ -242,19 +271,38 @@ fn serve(stream: UnixStream, service: &dyn Service) {
     }
 }
 
-/// Connects to the control socket at `address` (as [`ControlServer::address`] gives it), sends
-/// one request and returns the reply: what `stagefs epoch` and the tests use.
+/// A connection to a mount's control channel (what `stagefs epoch` and the tests use; the
+/// Python hook speaks the same lines). Dataset handles last as long as the connection.
+pub struct Client {
+    stream: UnixStream,
+    reader: BufReader<UnixStream>,
+}
+
+impl Client {
+    /// Connects to `address` as [`ControlServer::address`] gives it.
+    pub fn connect(address: &str) -> io::Result<Client> {
+        let addr = match address.strip_prefix('@') {
+            Some(name) => SocketAddr::from_abstract_name(name.as_bytes())?,
+            None => SocketAddr::from_pathname(address)?,
+        };
+        let stream = UnixStream::connect_addr(&addr)?;
+        stream.set_read_timeout(Some(READ_TIMEOUT))?;
+        let reader = BufReader::new(stream.try_clone()?);
+        Ok(Client { stream, reader })
+    }
+
+    /// Sends one request and returns the reply.
+    pub fn request(&mut self, request: &serde_json::Value) -> io::Result<serde_json::Value> {
+        writeln!(self.stream, "{request}")?;
+        let mut line = String::new();
+        self.reader.read_line(&mut line)?;
+        serde_json::from_str(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    }
+}
+
+/// One request on a connection of its own.
 pub fn request(address: &str, request: &serde_json::Value) -> io::Result<serde_json::Value> {
-    let addr = match address.strip_prefix('@') {
-        Some(name) => SocketAddr::from_abstract_name(name.as_bytes())?,
-        None => SocketAddr::from_pathname(address)?,
-    };
-    let mut stream = UnixStream::connect_addr(&addr)?;
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
-    writeln!(stream, "{request}")?;
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line)?;
-    serde_json::from_str(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    Client::connect(address)?.request(request)
 }
 
 #[cfg(test)]

@@ -29,8 +29,8 @@ pub enum Request {
 }
 
 impl Request {
-    pub fn parse(line: &[u8]) -> Result<Request, String> {
-        serde_json::from_slice(line).map_err(|e| format!("not a valid request: {e}"))
+    pub fn parse(line: &[u8]) -> Result<Request, super::RequestError> {
+        Ok(serde_json::from_slice(line)?)
     }
 }
 
@@ -69,21 +69,21 @@ mod tests {
     #[test]
     fn requests_parse_strictly() {
         assert_eq!(
-            Request::parse(br#"{"op":"epoch","epoch":3}"#),
-            Ok(Request::Epoch { epoch: 3 })
+            Request::parse(br#"{"op":"epoch","epoch":3}"#).unwrap(),
+            Request::Epoch { epoch: 3 }
         );
         let order =
             br#"{"op":"order","epoch":1,"rank":0,"world_size":2,"current":true,"indices":[2,0]}"#;
         assert_eq!(
-            Request::parse(order),
-            Ok(Request::Order {
+            Request::parse(order).unwrap(),
+            Request::Order {
                 epoch: 1,
                 rank: 0,
                 world_size: 2,
                 current: true,
                 dataset: None,
                 indices: vec![2, 0]
-            })
+            }
         );
         for bad in [
             &br#"{"op":"epoch","epoch":3,"typo":1}"#[..],

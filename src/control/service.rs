@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::sync::{Arc, Weak};
 
-use super::{Peer, Reply, Request, Service, Session};
+use super::{Peer, Reply, Request, RequestError, Service, Session};
 use crate::catalog::{FileId, Kind, Layout};
 use crate::fs::MountedDataset;
 
@@ -60,8 +60,8 @@ struct ControlSession {
 }
 
 impl Session for ControlSession {
-    fn handle(&mut self, request: Request) -> Result<Reply, String> {
-        let data = self.data.upgrade().ok_or("the mount is going away")?;
+    fn handle(&mut self, request: Request) -> Result<Reply, RequestError> {
+        let data = self.data.upgrade().ok_or(RequestError::Unmounting)?;
         match request {
             Request::Dataset { paths } => self.register(&data, paths),
             Request::Order {
@@ -72,10 +72,8 @@ impl Session for ControlSession {
                 dataset,
                 indices,
             } => {
-                if world_size == 0 || rank >= world_size {
-                    return Err(format!(
-                        "rank {rank} is not below the world size {world_size}"
-                    ));
+                if rank >= world_size {
+                    return Err(RequestError::Rank { rank, world_size });
                 }
                 let files = self.files_of(dataset, &indices)?;
                 let count = files.len();
@@ -83,7 +81,7 @@ impl Session for ControlSession {
                 Ok(Reply::ok().with("files", count))
             }
             Request::Epoch { epoch } => {
-                data.stager.check_epoch(epoch).map_err(|e| e.to_string())?;
+                data.stager.check_epoch(epoch)?;
                 data.stager.set_epoch(epoch);
                 Ok(Reply::ok())
             }
@@ -96,14 +94,18 @@ impl ControlSession {
         &mut self,
         data: &MountedDataset,
         paths: Vec<Option<String>>,
-    ) -> Result<Reply, String> {
+    ) -> Result<Reply, RequestError> {
         if self.datasets.len() >= MAX_DATASETS {
-            return Err(format!(
-                "more than {MAX_DATASETS} datasets registered on one connection"
-            ));
+            return Err(RequestError::TooMany {
+                what: "datasets on one connection",
+                max: MAX_DATASETS,
+            });
         }
         if paths.len() > MAX_ANNOUNCED {
-            return Err(format!("more than {MAX_ANNOUNCED} paths in one dataset"));
+            return Err(RequestError::TooMany {
+                what: "paths",
+                max: MAX_ANNOUNCED,
+            });
         }
         let files: Vec<Option<FileId>> = paths
             .iter()
@@ -111,10 +113,7 @@ impl ControlSession {
             .collect();
         let found = files.iter().flatten().count();
         if found == 0 && !paths.is_empty() {
-            return Err(format!(
-                "none of the {} paths is a file on this mount (paths are relative to its root)",
-                paths.len()
-            ));
+            return Err(RequestError::NoFiles(paths.len()));
         }
         self.datasets.push(files);
         Ok(Reply::ok()
@@ -124,20 +123,19 @@ impl ControlSession {
 
     /// The files `indices` read, in order, through a registered dataset or the mount's layout.
     /// Indices whose file is not on the mount are left out (the job reads them elsewhere).
-    fn files_of(&self, dataset: Option<u64>, indices: &[u64]) -> Result<Vec<FileId>, String> {
+    fn files_of(&self, dataset: Option<u64>, indices: &[u64]) -> Result<Vec<FileId>, RequestError> {
         if indices.len() > MAX_ANNOUNCED {
-            return Err(format!(
-                "more than {MAX_ANNOUNCED} indices in one announcement"
-            ));
+            return Err(RequestError::TooMany {
+                what: "indices",
+                max: MAX_ANNOUNCED,
+            });
         }
         let lookup: Box<dyn Fn(usize) -> Option<FileId> + '_> = match dataset {
             Some(handle) => {
                 let files = usize::try_from(handle)
                     .ok()
                     .and_then(|h| self.datasets.get(h))
-                    .ok_or_else(|| {
-                        format!("no dataset {handle} was registered on this connection")
-                    })?;
+                    .ok_or(RequestError::NoDataset(handle))?;
                 check_range(indices, files.len(), "the registered dataset")?;
                 Box::new(move |i| files[i])
             }
@@ -157,11 +155,9 @@ fn file_at(data: &MountedDataset, relative: &str) -> Option<FileId> {
     (catalog.entry(id)?.kind == Kind::File).then_some(id)
 }
 
-fn check_range(indices: &[u64], len: usize, what: &str) -> Result<(), String> {
+fn check_range(indices: &[u64], len: usize, what: &'static str) -> Result<(), RequestError> {
     match indices.iter().find(|&&i| i >= len as u64) {
-        Some(i) => Err(format!(
-            "index {i} is out of range: {what} has {len} samples"
-        )),
+        Some(&index) => Err(RequestError::OutOfRange { index, what, len }),
         None => Ok(()),
     }
 }

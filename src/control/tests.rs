@@ -16,10 +16,10 @@ struct Counting {
 struct CountingSession(u64);
 
 impl Session for CountingSession {
-    fn handle(&mut self, request: Request) -> Result<Reply, String> {
+    fn handle(&mut self, request: Request) -> Result<Reply, RequestError> {
         self.0 += 1;
         match request {
-            Request::Epoch { epoch } if epoch > 100 => Err(format!("epoch {epoch} is too far")),
+            Request::Epoch { epoch } if epoch > 100 => Err(RequestError::NoDataset(epoch)),
             _ => Ok(Reply::ok().with("count", self.0)),
         }
     }
@@ -82,7 +82,7 @@ fn a_session_keeps_its_state_and_errors_change_nothing() {
     let refused = exchange(&mut s, &mut r, r#"{"op":"epoch","epoch":101}"#);
     assert_eq!(
         refused,
-        json!({"ok": false, "error": "epoch 101 is too far"})
+        json!({"ok": false, "error": "no dataset 101 was registered on this connection"})
     );
     assert_eq!(
         exchange(&mut s, &mut r, epoch),

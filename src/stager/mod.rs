@@ -95,6 +95,13 @@ impl OpenError {
     }
 }
 
+/// An announcement to a mount that computes its order itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this mount predicts the order itself (--sampler {0}); mount with --sampler feed to follow announcements"
+)]
+pub struct NotFed(pub crate::order::SamplerKind);
+
 pub type OpenResult = Result<Opened, OpenError>;
 pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
 
@@ -326,13 +333,10 @@ impl Stager {
         rank: u32,
         files: Vec<FileId>,
         current: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), NotFed> {
         let plan = &self.inner.plan;
         if !plan.is_fed() {
-            return Err(format!(
-                "this mount predicts the order itself (--sampler {}); mount with --sampler feed to follow announcements",
-                plan.sampler().kind
-            ));
+            return Err(NotFed(plan.sampler().kind));
         }
         let count = files.len();
         {

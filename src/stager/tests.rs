@@ -958,6 +958,6 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
 fn a_mount_with_its_own_sampler_refuses_announcements() {
     let h = Setup::new(20, SamplerKind::TorchRandom).build();
     let err = h.stager().announce(0, 0, vec![1], true).unwrap_err();
-    assert!(err.contains("--sampler feed"), "{err}");
+    assert!(err.to_string().contains("--sampler feed"), "{err}");
     assert_eq!(h.stager().gauges().epoch, 0);
 }
