@@ -171,11 +171,11 @@ const COMMAND_LINES: &[Case] = &[
     ),
     early(
         "mount --sampler nope",
-        "stagefs: unknown sampler \"nope\": use one of torch-distributed,",
+        "error: invalid value 'nope' for '--sampler <NAME>'\n  [possible values: torch-distributed, torch-random, numpy-legacy, numpy-generator, sequential, list, feed, none]",
     ),
     early(
         "mount --sampler torch-random --generator x",
-        "stagefs: unknown generator \"x\"",
+        "error: invalid value 'x' for '--generator <SOURCE>'\n  [possible values: loader, global]",
     ),
     early(
         "mount --torch-version banana",
@@ -187,7 +187,7 @@ const COMMAND_LINES: &[Case] = &[
     ),
     early(
         "mount --layout nope",
-        "error: invalid value 'nope' for '--layout <KIND>': unknown layout 'nope'",
+        "error: invalid value 'nope' for '--layout <KIND>'\n  [possible values: imagefolder, tree, list]",
     ),
     // List files (--layout list): shape errors before the daemon starts, lookups after the scan.
     early(

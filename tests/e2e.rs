@@ -930,7 +930,11 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
         ..Launch::new("train_stacks.py", &args)
     };
     let (want_lines, want_order) = Job::spawn(work.path(), "plain", &plain, &source).finish(|_| {});
-    for (case, sampler) in [("refused", "sequential"), ("killed", "feed")] {
+    for (case, sampler) in [
+        ("refused", "sequential"),
+        ("killed", "feed"),
+        ("unmounted", "feed"),
+    ] {
         let mount = TestMount::new(&source, &work.path().join(case), &["--sampler", sampler]);
         let mut env = feed_env();
         env.push((
@@ -948,9 +952,23 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
         let job = Job::spawn(work.path(), case, &hooked, &source);
         let stderr = job.stderr.clone();
         let (lines, order) = job.finish(|line| {
-            if case == "killed" && line["epoch"] == 0 {
+            if line["epoch"] != 0 {
+                return;
+            }
+            match case {
                 // SAFETY: plain kill(2) of the mount's daemon.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                "killed" => unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                },
+                "unmounted" => {
+                    let out = stagefs(&["unmount", mount.mnt.to_str().unwrap()]);
+                    assert!(
+                        out.status.success(),
+                        "{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                _ => {}
             }
         });
         same_order(case, &order, &want_order);
@@ -960,12 +978,16 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
         let stderr = std::fs::read_to_string(stderr).unwrap();
         let warnings = stderr.matches("stagefs-feed: warning").count();
         assert_eq!(warnings, 1, "{case}: one warning line:\n{stderr}");
-        if case == "refused" {
-            assert!(stderr.contains("--sampler feed"), "{stderr}");
-            mount.unmount();
-        } else {
-            assert!(wait_for(Duration::from_secs(10), || !process_alive(pid)));
-            mount.detach_dead();
+        match case {
+            "refused" => {
+                assert!(stderr.contains("--sampler feed"), "{stderr}");
+                mount.unmount();
+            }
+            "killed" => {
+                assert!(wait_for(Duration::from_secs(10), || !process_alive(pid)));
+                mount.detach_dead();
+            }
+            _ => assert!(!is_mounted(&mount.mnt)),
         }
     }
 }

@@ -27,16 +27,15 @@ pub enum LayoutKind {
     List,
 }
 
-impl std::str::FromStr for LayoutKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "imagefolder" => Ok(LayoutKind::ImageFolder),
-            "tree" => Ok(LayoutKind::Tree),
-            "list" => Ok(LayoutKind::List),
-            _ => Err(format!(
-                "unknown layout '{s}' (expected imagefolder, tree or list)"
-            )),
+impl LayoutKind {
+    pub const ALL: [LayoutKind; 3] = [Self::ImageFolder, Self::Tree, Self::List];
+
+    /// The name on the command line (`--layout`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ImageFolder => "imagefolder",
+            Self::Tree => "tree",
+            Self::List => "list",
         }
     }
 }

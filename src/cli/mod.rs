@@ -15,7 +15,8 @@ mod unmount;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use clap::{Args, Parser, Subcommand};
+use clap::builder::PossibleValue;
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
 use crate::order::{self, GeneratorSource, OrderError, SamplerConfig, SamplerKind, TorchVersion};
@@ -59,11 +60,9 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Prediction (the job's sampler)")]
 pub struct SamplerArgs {
-    /// Sampler the job uses: torch-distributed, torch-random, numpy-legacy (alias chainer),
-    /// numpy-generator, sequential, list, feed (the job announces its order: see `stagefs
-    /// feed-env`), none
-    #[arg(long, default_value = "torch-distributed", value_name = "NAME")]
-    pub sampler: String,
+    /// Sampler the job uses (`feed`: the job announces its order, see `stagefs feed-env`)
+    #[arg(long, value_enum, default_value_t = SamplerKind::TorchDistributed, value_name = "NAME")]
+    pub sampler: SamplerKind,
     /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed)
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: i128,
@@ -84,8 +83,8 @@ pub struct SamplerArgs {
     pub no_shuffle: bool,
     /// torch-random: where the loader's randomness comes from: `loader` (DataLoader(generator=g))
     /// or `global` (torch.manual_seed only; predictable only if nothing else draws from it)
-    #[arg(long, default_value = "loader", value_name = "SOURCE")]
-    pub generator: String,
+    #[arg(long, value_enum, default_value_t = GeneratorSource::Loader, value_name = "SOURCE")]
+    pub generator: GeneratorSource,
     /// torch-random: DataLoader(persistent_workers=True)
     #[arg(long)]
     pub persistent_workers: bool,
@@ -100,13 +99,13 @@ pub struct SamplerArgs {
 impl SamplerArgs {
     /// The sampler settings and the local ranks, checked for shape (not yet against the length).
     pub fn config(&self) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
-        let kind: SamplerKind = self.sampler.parse()?;
+        let kind = self.sampler;
         let mut cfg = SamplerConfig::new(kind);
         cfg.seed = self.seed;
         cfg.world_size = self.world_size;
         cfg.drop_last = self.drop_last;
         cfg.shuffle = !self.no_shuffle;
-        cfg.generator = self.generator.parse::<GeneratorSource>()?;
+        cfg.generator = self.generator;
         cfg.persistent_workers = self.persistent_workers;
         if let Some(v) = &self.torch_version {
             cfg.torch_version = v.parse::<TorchVersion>()?;
@@ -132,7 +131,7 @@ impl SamplerArgs {
 #[command(next_help_heading = "Dataset layout (index → file)")]
 pub struct LayoutArgs {
     /// imagefolder (torchvision ImageFolder), tree (all files sorted by path), list (--list-file)
-    #[arg(long, default_value = "imagefolder", value_name = "KIND")]
+    #[arg(long, value_enum, default_value_t = LayoutKind::ImageFolder, value_name = "KIND")]
     pub layout: LayoutKind,
     /// imagefolder: file extensions that count as samples (comma separated, case-insensitive)
     #[arg(long, value_delimiter = ',', value_name = "EXT,...")]
@@ -157,6 +156,43 @@ impl LayoutArgs {
                 .collect(),
             None => DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
         }
+    }
+}
+
+/// clap's view of the names the order and catalog modules define: `--help` lists them and
+/// clap refuses anything else, with the list.
+impl ValueEnum for SamplerKind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        let value = PossibleValue::new(self.name());
+        // Chainer's iterators shuffle with numpy's legacy generator.
+        Some(match self {
+            SamplerKind::NumpyLegacy => value.alias("chainer"),
+            _ => value,
+        })
+    }
+}
+
+impl ValueEnum for GeneratorSource {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.name()))
+    }
+}
+
+impl ValueEnum for LayoutKind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.name()))
     }
 }
 
@@ -211,6 +247,23 @@ fn one_line(e: &anyhow::Error) -> String {
 mod tests {
     use super::one_line;
     use anyhow::Context;
+
+    #[test]
+    fn sampler_names_and_aliases_are_clap_values() {
+        use clap::Parser;
+        let parse = |name: &str| {
+            super::Cli::try_parse_from(["stagefs", "order", "--len", "1", "--sampler", name])
+        };
+        let super::Command::Order(args) = parse("chainer").unwrap().command else {
+            unreachable!()
+        };
+        assert_eq!(args.sampler.sampler, crate::order::SamplerKind::NumpyLegacy);
+        for kind in crate::order::SamplerKind::ALL {
+            assert!(parse(kind.name()).is_ok(), "{kind}");
+        }
+        let err = parse("torch").unwrap_err().to_string();
+        assert!(err.contains("possible values: torch-distributed"), "{err}");
+    }
 
     #[test]
     fn one_line_keeps_context_and_cause_once() {

@@ -117,9 +117,24 @@ fn is_inside_mount(path: &Path) -> bool {
     unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
 }
 
+/// The order's source and the tracker's mode; for a fed order, who announced this epoch.
+fn sampler_line(s: &Snapshot) -> String {
+    let mut line = format!("{} ({})", s.sampler, s.mode);
+    if !s.announced_ranks.is_empty() {
+        let ranks: Vec<String> = s.announced_ranks.iter().map(u32::to_string).collect();
+        line += &format!(
+            "; epoch {} announced by rank{} {}",
+            s.epoch,
+            if ranks.len() > 1 { "s" } else { "" },
+            ranks.join(", ")
+        );
+    }
+    line
+}
+
 pub fn table(s: &Snapshot) -> String {
     let rows: Vec<(&str, String)> = vec![
-        ("sampler", format!("{} ({})", s.sampler, s.mode)),
+        ("sampler", sampler_line(s)),
         (
             "epoch / position",
             format!("{} / {} of {}", s.epoch, s.position, s.epoch_len),

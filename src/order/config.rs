@@ -29,26 +29,22 @@ pub enum SamplerKind {
     None,
 }
 
-impl FromStr for SamplerKind {
-    type Err = OrderError;
-    fn from_str(s: &str) -> Result<Self, OrderError> {
-        Ok(match s {
-            "torch-distributed" => Self::TorchDistributed,
-            "torch-random" => Self::TorchRandom,
-            "numpy-legacy" | "chainer" => Self::NumpyLegacy,
-            "numpy-generator" => Self::NumpyGenerator,
-            "sequential" => Self::Sequential,
-            "list" => Self::List,
-            "feed" => Self::Feed,
-            "none" => Self::None,
-            _ => return Err(OrderError::UnknownSampler(s.to_owned())),
-        })
-    }
-}
+impl SamplerKind {
+    /// Every sampler, in the order the help lists them.
+    pub const ALL: [SamplerKind; 8] = [
+        Self::TorchDistributed,
+        Self::TorchRandom,
+        Self::NumpyLegacy,
+        Self::NumpyGenerator,
+        Self::Sequential,
+        Self::List,
+        Self::Feed,
+        Self::None,
+    ];
 
-impl fmt::Display for SamplerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+    /// The name on the command line (`--sampler`), in statistics and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
             Self::TorchDistributed => "torch-distributed",
             Self::TorchRandom => "torch-random",
             Self::NumpyLegacy => "numpy-legacy",
@@ -57,7 +53,13 @@ impl fmt::Display for SamplerKind {
             Self::List => "list",
             Self::Feed => "feed",
             Self::None => "none",
-        })
+        }
+    }
+}
+
+impl fmt::Display for SamplerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -72,23 +74,21 @@ pub enum GeneratorSource {
     Global,
 }
 
-impl FromStr for GeneratorSource {
-    type Err = OrderError;
-    fn from_str(s: &str) -> Result<Self, OrderError> {
-        match s {
-            "loader" => Ok(Self::Loader),
-            "global" => Ok(Self::Global),
-            _ => Err(OrderError::UnknownGenerator(s.to_owned())),
+impl GeneratorSource {
+    pub const ALL: [GeneratorSource; 2] = [Self::Loader, Self::Global];
+
+    /// The name on the command line (`--generator`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Loader => "loader",
+            Self::Global => "global",
         }
     }
 }
 
 impl fmt::Display for GeneratorSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Loader => "loader",
-            Self::Global => "global",
-        })
+        f.write_str(self.name())
     }
 }
 

@@ -7,12 +7,6 @@ use super::{SamplerKind, TorchVersion};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OrderError {
-    #[error("unknown sampler {0:?}: use one of {SAMPLER_NAMES}")]
-    UnknownSampler(String),
-    #[error(
-        "unknown generator {0:?}: use \"loader\" (DataLoader(generator=...)) or \"global\" (torch.manual_seed)"
-    )]
-    UnknownGenerator(String),
     #[error("invalid torch version {0:?}: give major.minor, e.g. 2.6 or 1.13")]
     BadTorchVersion(String),
     #[error("--world-size must be at least 1")]
@@ -78,6 +72,3 @@ pub enum OrderError {
         reason: &'static str,
     },
 }
-
-/// The sampler names the CLI accepts, for messages.
-const SAMPLER_NAMES: &str = "torch-distributed, torch-random, numpy-legacy (alias chainer), numpy-generator, sequential, list, none";

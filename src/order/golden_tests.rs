@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use super::{SamplerConfig, TorchVersion, torch};
+use super::{GeneratorSource, SamplerConfig, SamplerKind, TorchVersion, torch};
 
 /// Fields a case may carry; anything else means the golden data grew and this test must learn it.
 const KNOWN_FIELDS: &[&str] = &[
@@ -90,7 +90,11 @@ fn compute(case: &Map<String, Value>, version: TorchVersion) -> Result<Vec<u32>,
         let mut g = torch::generator(seed as u64);
         return Ok(torch::randperm(len, &mut g, version));
     }
-    let mut cfg = SamplerConfig::new(sampler.parse().map_err(|e| format!("{e}"))?);
+    let kind = SamplerKind::ALL
+        .into_iter()
+        .find(|k| k.name() == sampler)
+        .ok_or_else(|| format!("unknown sampler {sampler:?}"))?;
+    let mut cfg = SamplerConfig::new(kind);
     cfg.seed = seed;
     cfg.torch_version = version;
     cfg.world_size = u64_field(case, "world_size", 1) as u32;
@@ -98,11 +102,11 @@ fn compute(case: &Map<String, Value>, version: TorchVersion) -> Result<Vec<u32>,
     cfg.shuffle = bool_field(case, "shuffle", true);
     cfg.persistent_workers = bool_field(case, "persistent_workers", false);
     if let Some(g) = case.get("generator") {
-        cfg.generator = g
-            .as_str()
-            .expect("generator")
-            .parse()
-            .map_err(|e| format!("{e}"))?;
+        let name = g.as_str().expect("generator");
+        cfg.generator = GeneratorSource::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| format!("unknown generator {name:?}"))?;
     }
     let rank = u64_field(case, "rank", 0) as u32;
     cfg.epoch_order(len, u64_field(case, "epoch", 0), rank)

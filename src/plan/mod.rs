@@ -31,6 +31,11 @@ pub type Position = u64;
 /// "Not needed again within the horizon we know": evicted first.
 pub const NEVER: Position = Position::MAX;
 
+/// Longest fed epoch planned, in positions (all ranks of the node): 2^28, ten times the
+/// largest public image dataset, and 3 GB of plans. An announcement beyond it is staged only
+/// that far (the positions of an epoch plan are u32 offsets in any case).
+const MAX_FED_EPOCH_LEN: u64 = 1 << 28;
+
 /// Epoch plans kept in memory: the cursor's epoch and the next one, which is all the tracker
 /// and the stager look at (12 bytes per sample each, so this bounds the plan's memory).
 const CACHED_EPOCHS: usize = 2;
@@ -202,7 +207,18 @@ impl Plan {
         }
         // Room for every file once or more, so a job's later, longer epochs (another loader,
         // more ranks announcing) rarely grow it again; a power of two keeps it stable.
-        let grown = len.max(self.id_space as u64).next_power_of_two();
+        let grown = len
+            .max(self.id_space as u64)
+            .next_power_of_two()
+            .min(MAX_FED_EPOCH_LEN);
+        if len > grown {
+            log::warn!(
+                "epoch {epoch} as announced is {len} positions long; staging follows its first {grown}"
+            );
+        }
+        if grown <= self.epoch_len() {
+            return false;
+        }
         self.epoch_len.store(grown, Ordering::SeqCst);
         true
     }

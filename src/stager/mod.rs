@@ -380,6 +380,7 @@ impl Stager {
             position,
             epoch_len: self.inner.plan.epoch_len(),
             frontier: st.frontier.saturating_sub(st.tracker.cursor()),
+            announced_ranks: self.inner.plan.fed_ranks(epoch),
             mode: match st.tracker.mode() {
                 TrackerMode::Predicting => "predicting",
                 TrackerMode::Lost => "lost",

@@ -51,6 +51,8 @@ pub struct Gauges {
     pub epoch_len: u64,
     pub frontier: u64,
     pub mode: &'static str,
+    /// `--sampler feed`: the ranks that announced the reader's epoch.
+    pub announced_ranks: Vec<u32>,
 }
 
 /// Everything a user may ask about a mount, under stable names (the xattr and JSON keys, in
@@ -92,6 +94,10 @@ pub struct Snapshot {
     /// `predicting`, `lost` (resyncing after unpredicted opens) or `on-demand`.
     pub mode: String,
     pub sampler: String,
+    /// `--sampler feed`: the ranks whose announcements the reader's epoch follows (where the
+    /// order came from); empty for a computed order.
+    #[serde(default)]
+    pub announced_ranks: Vec<u32>,
     /// Whether cache hits are served by FUSE passthrough (the kernel reads cache files).
     pub passthrough: bool,
     pub uptime_seconds: f64,
@@ -135,6 +141,7 @@ impl Snapshot {
             frontier: g.frontier,
             mode: g.mode.to_string(),
             sampler,
+            announced_ranks: g.announced_ranks,
             passthrough,
             uptime_seconds: started.elapsed().as_secs_f64(),
         }
