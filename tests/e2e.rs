@@ -991,3 +991,22 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
         }
     }
 }
+
+/// The hook's look-ahead, checked against the real torch without a mount
+/// (`tests/e2e/hook_lookahead.py`): the next epoch announced ahead is the one then drawn, for
+/// loader and sampler generators and `set_epoch` samplers, and the job draws the same.
+#[test]
+fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
+    let out = Command::new(PYTHON)
+        .arg(e2e_dir().join("hook_lookahead.py"))
+        .env("PYTHONPATH", Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("run /usr/bin/python3");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -197,7 +197,7 @@ def _announce(target, loader, sampler, drawn):
         channel.connect()
         dataset = _register(channel, loader.dataset, paths) if paths is not None else None
         _send_order(channel, dataset, epoch, rank, world, indices, current=True)
-        ahead = _next_epoch_indices(sampler, batched)
+        ahead = _next_epoch_indices(loader, sampler, batched)
         if ahead is not None:
             _send_order(channel, dataset, epoch + 1, rank, world, ahead, current=False)
     except ChannelError as e:
@@ -339,21 +339,46 @@ class _RandomStateKept:
         return False
 
 
-def _next_epoch_indices(sampler, batched):
-    """The next epoch's indices if the sampler is epoch-driven (``set_epoch``), computed on a
-    copy with all random state put back; else None."""
-    holder, outer = sampler, None
-    if not (hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int)):
-        holder, outer = getattr(sampler, "sampler", None), sampler
-        if not (hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int)):
+def _with_set_epoch(sampler):
+    """(the sampler or the one it batches, if it has ``set_epoch``, and the batch sampler)."""
+    for holder, outer in ((sampler, None), (getattr(sampler, "sampler", None), sampler)):
+        if hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int):
+            return holder, outer
+    return None, None
+
+
+def _next_epoch_indices(loader, sampler, batched):
+    """The next epoch's indices where they follow from state the hook can copy, computed with
+    every random state put back afterwards; else None:
+
+    - a sampler with ``set_epoch`` (DistributedSampler, Lightning's wrapper): a copy, one
+      epoch on;
+    - a ``RandomSampler`` with its own generator (``DataLoader(shuffle=True, generator=g)``,
+      the HF Trainer's): that generator goes on from where this epoch left it, after the
+      loader's draw of its workers' base seed when it draws from the same generator.
+    """
+    import torch
+    from torch.utils.data import RandomSampler
+
+    holder, outer = _with_set_epoch(sampler)
+    if holder is not None:
+        ahead = copy.copy(holder)
+        ahead.set_epoch(holder.epoch + 1)
+        if outer is not None:
+            outer = copy.copy(outer)
+            outer.sampler = ahead
+            ahead = outer
+    else:
+        inner = sampler if isinstance(sampler, RandomSampler) else getattr(sampler, "sampler", None)
+        generator = getattr(inner, "generator", None)
+        if not isinstance(inner, RandomSampler) or not isinstance(generator, torch.Generator):
             return None
-    ahead = copy.copy(holder)
-    ahead.set_epoch(holder.epoch + 1)
-    if outer is not None:
-        outer = copy.copy(outer)
-        outer.sampler = ahead
-        ahead = outer
+        ahead = sampler
     with _RandomStateKept(sampler):
-        length = len(ahead)
-        drawn = list(itertools.islice(iter(ahead), length))
+        if holder is None:
+            # A new iterator draws its workers' base seed first (a persistent one only once).
+            persistent = loader.persistent_workers and loader.num_workers > 0
+            if loader.generator is generator and not persistent:
+                torch.empty((), dtype=torch.int64).random_(generator=generator)
+        drawn = list(itertools.islice(iter(ahead), len(ahead)))
     return _flatten(drawn, batched)

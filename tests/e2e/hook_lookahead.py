@@ -1,0 +1,98 @@
+"""Checks the feed hook's look-ahead against the real torch, without a mount: for each sampler
+whose next epoch the hook announces ahead, that announcement must equal what the next epoch
+then really draws, and the job must draw exactly what it draws without the hook. Exits
+non-zero with the first difference.
+
+    PYTHONPATH=python python3 tests/e2e/hook_lookahead.py
+"""
+
+import sys
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
+
+import stagefs_feed
+
+N = 97
+sent = []
+
+
+def fake_target(dataset):
+    return ("/fake", "@fake", None)
+
+
+class FakeChannel:
+    datasets = {}
+
+    def connect(self):
+        pass
+
+    def request(self, message):
+        sent.append(message)
+        return {"ok": True}
+
+
+def loaders():
+    ds = TensorDataset(torch.arange(N))
+    yield "loader generator", lambda: DataLoader(
+        ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3), num_workers=2
+    ), None
+    yield "loader generator, persistent workers", lambda: DataLoader(
+        ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3),
+        num_workers=2, persistent_workers=True,
+    ), None
+    yield "loader generator, no workers", lambda: DataLoader(
+        ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)
+    ), None
+    yield "RandomSampler(generator=g)", lambda: DataLoader(
+        ds, batch_size=8, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(4)),
+        num_workers=2,
+    ), None
+
+    def distributed():
+        s = DistributedSampler(ds, num_replicas=2, rank=1, seed=5)
+        return DataLoader(ds, batch_size=8, sampler=s)
+
+    yield "DistributedSampler with set_epoch", distributed, "set_epoch"
+
+
+def run(make, hook, epochs=3, epoch_hook=None):
+    torch.manual_seed(11)
+    loader = make()
+    order = []
+    for epoch in range(epochs):
+        if epoch_hook:
+            loader.sampler.set_epoch(epoch)
+        order.append([int(i) for batch in loader for i in batch[0]])
+    return order, torch.rand(2).tolist()
+
+
+def main():
+    plain = {name: run(make, False, epoch_hook=eh) for name, make, eh in loaders()}
+    stagefs_feed._target_of = fake_target
+    stagefs_feed._channels["/fake"] = FakeChannel()
+    stagefs_feed.install()
+    failures = 0
+    for name, make, epoch_hook in loaders():
+        sent.clear()
+        stagefs_feed._epochs.clear()
+        order, after = run(make, True, epoch_hook=epoch_hook)
+        if (order, after) != plain[name]:
+            print(f"{name}: the hook changed what the job drew", file=sys.stderr)
+            failures += 1
+            continue
+        current = {m["epoch"]: m["indices"] for m in sent if m["current"]}
+        ahead = {m["epoch"]: m["indices"] for m in sent if not m["current"]}
+        for epoch in range(3):
+            if current.get(epoch) != order[epoch]:
+                print(f"{name}: epoch {epoch} announced wrong", file=sys.stderr)
+                failures += 1
+            if epoch + 1 < 3 and ahead.get(epoch + 1) != order[epoch + 1]:
+                print(f"{name}: epoch {epoch + 1} announced ahead wrong", file=sys.stderr)
+                failures += 1
+    print("ok" if failures == 0 else f"{failures} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
