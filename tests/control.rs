@@ -108,12 +108,13 @@ fn an_announcement_by_path_moves_the_mount_to_predicting() {
     );
     assert_eq!(mount.stats()["mode"], "predicting");
     assert_eq!(mount.wait_stat("staged_files", 40), 40);
-    // `stagefs epoch` over the same channel; and its refusals are one line.
+    // `stagefs epoch` goes over the same channel; a fed mount takes its epochs from the job,
+    // and the refusals are one line.
     let out = stagefs(&["epoch", mount.mnt.to_str().unwrap(), "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        err.contains("follows the job's announcements") && err.lines().count() == 1,
+        "{err}"
     );
     let out = stagefs(&["epoch", work.path().to_str().unwrap(), "1"]);
     let err = String::from_utf8_lossy(&out.stderr);
@@ -130,7 +131,7 @@ fn ask_as_nobody(mount: &TestMount) -> String {
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("\0" + sys.argv[1][1:])
-s.sendall(b'{"op":"epoch","epoch":0}\n')
+s.sendall(b'{"op":"dataset","paths":["class000/img000000.jpg"]}\n')
 print(s.makefile().readline().strip())
 "#;
     let out = Command::new("setpriv")
@@ -172,7 +173,10 @@ fn only_the_owner_root_and_admitted_users_may_control_a_mount() {
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
-    assert_eq!(ask_as_nobody(&shared), r#"{"ok":true}"#);
+    assert_eq!(
+        ask_as_nobody(&shared),
+        r#"{"dataset":0,"files":1,"ok":true}"#
+    );
     std::fs::set_permissions(&source, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let reply = ask_as_nobody(&shared);
     assert!(

@@ -999,7 +999,10 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
 fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
     let out = Command::new(PYTHON)
         .arg(e2e_dir().join("hook_lookahead.py"))
-        .env("PYTHONPATH", Path::new(env!("CARGO_MANIFEST_DIR")).join("python"))
+        .env(
+            "PYTHONPATH",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        )
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .output()
         .expect("run /usr/bin/python3");

@@ -29,6 +29,7 @@ struct Input {
     order_list: Vec<u16>,
 }
 
+/// Every sampler with an order of its own (`feed` has none: the job announces it).
 const KINDS: [SamplerKind; 7] = [
     SamplerKind::TorchDistributed,
     SamplerKind::TorchRandom,
@@ -48,7 +49,7 @@ fn invalid(cfg: &SamplerConfig, len: u64, ranks: &[u32]) -> bool {
         || ranks.is_empty()
         || ranks.iter().any(|&r| r >= cfg.world_size)
         || sorted.windows(2).any(|w| w[0] == w[1]);
-    if structural || cfg.kind == SamplerKind::None {
+    if structural || matches!(cfg.kind, SamplerKind::None | SamplerKind::Feed) {
         return structural;
     }
     let s = cfg.seed;
@@ -66,7 +67,7 @@ fn invalid(cfg: &SamplerConfig, len: u64, ranks: &[u32]) -> bool {
                 .order_list
                 .as_ref()
                 .is_none_or(|l| l.is_empty() || l.iter().any(|&i| u64::from(i) >= len)),
-            SamplerKind::Sequential | SamplerKind::None => false,
+            SamplerKind::Sequential | SamplerKind::Feed | SamplerKind::None => false,
         }
 }
 
@@ -200,7 +201,7 @@ fuzz_target!(|input: Input| {
         }
         SamplerKind::Sequential => assert!(order.iter().copied().eq(0..len as u32)),
         SamplerKind::List => assert_eq!(Some(&order), cfg.order_list.as_deref()),
-        SamplerKind::None => assert!(order.is_empty()),
+        SamplerKind::Feed | SamplerKind::None => assert!(order.is_empty()),
     }
 
     // The node serving several ranks: an error exactly when the rank list is invalid.

@@ -65,6 +65,10 @@ pub enum RequestError {
     Unmounting,
     #[error(transparent)]
     NotFed(#[from] crate::stager::NotFed),
+    #[error(
+        "this mount has no epochs to move between (--sampler {0}); a fed mount follows the job's announcements"
+    )]
+    NoEpochs(crate::order::SamplerKind),
     #[error(transparent)]
     Epoch(#[from] crate::order::OrderError),
 }

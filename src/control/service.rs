@@ -81,6 +81,10 @@ impl Session for ControlSession {
                 Ok(Reply::ok().with("files", count))
             }
             Request::Epoch { epoch } => {
+                let plan = data.stager.plan();
+                if !plan.sampler().predicts() || plan.is_fed() {
+                    return Err(RequestError::NoEpochs(plan.sampler().kind));
+                }
                 data.stager.check_epoch(epoch)?;
                 data.stager.set_epoch(epoch);
                 Ok(Reply::ok())

@@ -270,6 +270,9 @@ fn mount_fuse(
         MountOption::NoDev,
         MountOption::NoSuid,
         MountOption::NoAtime,
+        // Read-only by contract; and on a writable superblock every passthrough read would
+        // invalidate the file's cached atime, costing a GETATTR round trip per file read.
+        MountOption::RO,
     ];
     fuse.acl = if config.allow_other {
         SessionACL::All

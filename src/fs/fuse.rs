@@ -316,24 +316,25 @@ impl Filesystem for StageFs {
         reply_xattr(reply, self.core.listxattr(ino.0, size, caller(req)));
     }
 
+    // Everything below would modify the dataset. The superblock is read-only, so the kernel
+    // answers these itself; the daemon's answer is the same, for any request that comes.
+
     fn setxattr(
         &self,
         _req: &Request,
-        ino: INodeNo,
-        name: &OsStr,
-        value: &[u8],
+        _ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
         _flags: i32,
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        reply_empty(reply, self.core.setxattr(ino.0, name, value));
+        reply.error(read_only());
     }
 
     fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
         reply.error(read_only());
     }
-
-    // Everything below would modify the dataset.
 
     fn setattr(
         &self,

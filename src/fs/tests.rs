@@ -435,35 +435,6 @@ fn xattrs_of_ours_answer_by_name() {
     );
 }
 
-#[test]
-fn setxattr_takes_only_the_roots_epoch() {
-    let f = fixture_with(SamplerKind::Sequential, u64::MAX, |s| Arc::new(s));
-    let set = |ino, name: &str, value: &[u8]| {
-        f.fs.setxattr(ino, OsStr::new(name), value)
-            .map_err(|e| e.errno())
-    };
-    assert_eq!(set(ROOT_INO, "user.stagefs.epoch", b"3\n"), Ok(()));
-    assert_eq!(f.fs.data.stager.gauges().epoch, 3);
-    assert_eq!(
-        set(ROOT_INO, "user.stagefs.epoch", b"-1"),
-        Err(libc::EINVAL)
-    );
-    assert_eq!(set(ROOT_INO, "user.stagefs.state", b"1"), Err(libc::EINVAL));
-    assert_eq!(
-        set(f.ino("a"), "user.stagefs.epoch", b"1"),
-        Err(libc::EINVAL)
-    );
-    assert_eq!(set(ROOT_INO, "user.other", b"1"), Err(libc::EROFS));
-    // Without a sampler there is no epoch to move to.
-    let none = fixture(u64::MAX);
-    assert_eq!(
-        none.fs
-            .setxattr(ROOT_INO, OsStr::new("user.stagefs.epoch"), b"1")
-            .map_err(|e| e.errno()),
-        Err(libc::EINVAL)
-    );
-}
-
 /// A SOURCE whose open of `trigger` (on a copy thread) re-enters the file system, as a
 /// SOURCE path leading into the mount would: the opens it makes are answered into `seen`.
 struct ReentrantSource {

@@ -7,11 +7,9 @@
 //! - root: `user.stagefs.stats` (one JSON object, keys in [`Snapshot`] field order) and
 //!   `user.stagefs.<key>` for each of its keys alone (strings unquoted); `user.stagefs.pid` is
 //!   the daemon's process id (`stagefs unmount` waits for it to exit).
-//! - root, writable: `user.stagefs.epoch` = the epoch the job (re)starts at, in decimal. A value
-//!   that is not a plain non-negative integer (or one so large that its positions would not fit
-//!   in 64 bits, or so far that a replaying sampler would need minutes to get there), or any
-//!   epoch when the sampler predicts nothing (`--sampler none`), gets EINVAL and changes
-//!   nothing; so does writing any other `user.stagefs.*` name. Other names: EROFS.
+//!   `user.stagefs.control` is the address of the mount's control channel.
+//! - Nothing is writable: the superblock is read-only, so the kernel answers every write EROFS
+//!   itself (the daemon answers the same if asked). The epoch is set with `stagefs epoch`.
 //! - a file: `user.stagefs.state` = `cached`, `staging` or `remote`.
 //! - a directory: `user.stagefs.state` = `N/M cached` for the M regular files of its whole
 //!   subtree (the root's answer covers the dataset).
@@ -245,31 +243,6 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         sized(size, without_ours(&names, caller.uid == 0))
     }
 
-    /// Only the root's `user.stagefs.epoch` is writable.
-    pub fn setxattr(&self, ino: u64, name: &OsStr, value: &[u8]) -> Result<(), FsError> {
-        let key = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(PREFIX))
-            .ok_or(FsError::ReadOnly)?;
-        if id(ino) != ROOT || key != "epoch" {
-            return Err(FsError::Invalid);
-        }
-        let stager = &self.data.stager;
-        match parse_epoch(value) {
-            Some(epoch) if stager.plan_predicts() => match stager.check_epoch(epoch) {
-                Ok(()) => {
-                    stager.set_epoch(epoch);
-                    Ok(())
-                }
-                Err(e) => {
-                    log::warn!("user.stagefs.epoch not changed: {e}");
-                    Err(FsError::Invalid)
-                }
-            },
-            _ => Err(FsError::Invalid),
-        }
-    }
-
     /// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
     /// through no link and no mount (a directory swapped for a link must not make the mount
     /// read the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr
@@ -321,15 +294,6 @@ fn without_ours(names: &[u8], show_trusted: bool) -> Vec<u8> {
         .flatten()
         .copied()
         .collect()
-}
-
-/// An epoch as `setfattr -v 37` sends it: decimal digits, surrounding whitespace allowed.
-pub fn parse_epoch(value: &[u8]) -> Option<u64> {
-    let text = std::str::from_utf8(value).ok()?.trim();
-    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    text.parse().ok()
 }
 
 fn c_path(path: &std::path::Path) -> Result<CString, i32> {
@@ -391,23 +355,6 @@ mod tests {
             (CONTROL_XATTR, CONTROL),
         ] {
             assert_eq!(full.strip_prefix(PREFIX), Some(key));
-        }
-    }
-
-    #[test]
-    fn epoch_values() {
-        assert_eq!(parse_epoch(b"37"), Some(37));
-        assert_eq!(parse_epoch(b" 0\n"), Some(0));
-        for junk in [
-            &b""[..],
-            b"-1",
-            b"1e3",
-            b"abc",
-            b"99999999999999999999999",
-            b"3 4",
-            b"\xff",
-        ] {
-            assert_eq!(parse_epoch(junk), None, "{junk:?}");
         }
     }
 

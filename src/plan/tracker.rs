@@ -150,7 +150,7 @@ impl Tracker {
         result
     }
 
-    /// Moves the tracker to `pos` (a resynchronisation result or `setfattr user.stagefs.epoch`)
+    /// Moves the tracker to `pos` (a resynchronisation result or `stagefs epoch`)
     /// and resumes predicting.
     pub fn reposition(&mut self, pos: Position) {
         if !self.plan.predicts() {

@@ -304,8 +304,9 @@ impl Stager {
             .count() as u64
     }
 
-    pub fn plan_predicts(&self) -> bool {
-        self.inner.plan.predicts()
+    /// The prediction the stager follows.
+    pub fn plan(&self) -> &Plan {
+        &self.inner.plan
     }
 
     /// Why the job cannot be moved to `epoch`, if planning it would take minutes.
@@ -313,7 +314,7 @@ impl Stager {
         self.inner.plan.check_epoch_reachable(epoch)
     }
 
-    /// The job says it (re)starts at `epoch` (`setfattr -n user.stagefs.epoch`).
+    /// The job says it (re)starts at `epoch` (`stagefs epoch`).
     pub fn set_epoch(&self, epoch: u64) {
         // Planned before taking the lock: opens meanwhile go on.
         self.inner.plan.epoch(epoch);

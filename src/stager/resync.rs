@@ -16,7 +16,7 @@ impl Inner {
         let ranks: Vec<String> = self.plan.ranks().iter().map(|r| r.to_string()).collect();
         format!(
             "opens do not follow {} seed {} rank {} of {} (around epoch {}): check --sampler / --seed / --rank / --world-size, \
-             or tell stagefs the epoch with `setfattr -n user.stagefs.epoch -v E MOUNT`; until it finds its place again \
+             or tell stagefs the epoch with `stagefs epoch MOUNT E` (or let the job announce its order: --sampler feed); until it finds its place again \
              stagefs caches files as they are read",
             s.kind,
             s.seed,

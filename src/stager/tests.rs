@@ -860,7 +860,8 @@ fn announced_order(h: &Harness, rank: u32, epoch: u64) -> Vec<FileId> {
 }
 
 /// Reads `files` in order like DataLoader workers, each taking every `workers`-th batch and
-/// computing 5 ms after it (time for the stager to keep ahead even on a loaded machine).
+/// computing 20 ms after it: time for the stager to keep ahead even on a loaded machine (a
+/// 30% cache lets it get only that far ahead).
 fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
     let batches: Vec<&[FileId]> = files.chunks(batch).collect();
     std::thread::scope(|s| {
@@ -869,7 +870,7 @@ fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
             s.spawn(move || {
                 for b in batches.iter().skip(w).step_by(workers) {
                     b.iter().for_each(|&f| h.check(f));
-                    std::thread::sleep(Duration::from_millis(5));
+                    std::thread::sleep(Duration::from_millis(20));
                 }
             });
         }
