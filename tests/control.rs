@@ -173,10 +173,8 @@ fn only_the_owner_root_and_admitted_users_may_control_a_mount() {
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
-    assert_eq!(
-        ask_as_nobody(&shared),
-        r#"{"dataset":0,"files":1,"ok":true}"#
-    );
+    // (Only the owner and root are told how many of the paths are files.)
+    assert_eq!(ask_as_nobody(&shared), r#"{"dataset":0,"ok":true}"#);
     std::fs::set_permissions(&source, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let reply = ask_as_nobody(&shared);
     assert!(
@@ -184,4 +182,79 @@ fn only_the_owner_root_and_admitted_users_may_control_a_mount() {
         "{reply}"
     );
     shared.unmount();
+}
+
+/// Runs, as `uid`, a client that sends an order for epoch 0 of the layout's first samples
+/// and prints the reply; with `hold`, it then keeps its connection open until its stdin
+/// closes.
+fn order_as(uid: &str, mount: &TestMount, hold: bool) -> std::process::Child {
+    let script = r#"
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + sys.argv[1][1:])
+s.sendall(b'{"op":"order","epoch":0,"rank":0,"world_size":1,"current":true,"indices":[0,1,2]}\n')
+print(s.makefile().readline().strip(), flush=True)
+if sys.argv[2] == "hold":
+    sys.stdin.read()
+"#;
+    Command::new("setpriv")
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={uid}"),
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            script,
+        ])
+        .arg(address(mount))
+        .arg(if hold { "hold" } else { "once" })
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run setpriv")
+}
+
+#[test]
+fn a_mount_follows_one_users_job_at_a_time() {
+    use std::io::BufRead;
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let source = dataset(work.path());
+    std::fs::set_permissions(
+        work.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mount = TestMount::new(
+        &source,
+        work.path(),
+        &["--sampler", "feed", "--allow-other"],
+    );
+    let mut first = order_as("65534", &mount, true);
+    let mut line = String::new();
+    std::io::BufReader::new(first.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), r#"{"ok":true}"#);
+    let other = order_as("65533", &mount, false).wait_with_output().unwrap();
+    let reply = String::from_utf8_lossy(&other.stdout);
+    assert!(
+        reply.contains("follows the announcements of uid 65534's job"),
+        "{reply}"
+    );
+    // The owner (root) is never refused.
+    let reply = ask(
+        &mount,
+        json!({"op": "order", "epoch": 0, "rank": 0, "world_size": 1, "current": true, "indices": [3]}),
+    );
+    assert_eq!(reply["ok"], true, "{reply}");
+    // Once the first job's connection is gone, another user's job may announce.
+    drop(first.stdin.take());
+    first.wait().unwrap();
+    let other = order_as("65533", &mount, false).wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&other.stdout).trim(),
+        r#"{"ok":true}"#
+    );
+    mount.unmount();
 }

@@ -29,7 +29,7 @@ import random
 import sys
 import threading
 
-from .channel import Channel, ChannelError, mount_of
+from .channel import Channel, ChannelBusy, ChannelError, mount_of
 
 __all__ = ["install", "installed"]
 
@@ -46,6 +46,10 @@ _epochs = {}
 _targets = {}
 # Mounts that failed or refused: no more announcements to them from this process.
 _disabled = set()
+# mountpoint -> length of the loader announced there (see _AnnouncingIterator._prime)
+_followed = {}
+# What the daemon takes in one announcement (its MAX_ANNOUNCED).
+MAX_ANNOUNCED = 1 << 26
 
 
 def _warn(key, message):
@@ -149,6 +153,15 @@ class _AnnouncingIterator:
             return _warn(("target", type(e).__name__), f"cannot find the dataset's stagefs mount: {e}")
         if target is None:
             return  # not on a stagefs mount: the loader is left exactly as it was
+        if length > MAX_ANNOUNCED:
+            return _warn(("length", length), f"a sampler of {length} items is longer than stagefs takes")
+        mountpoint = target[0]
+        with _lock:
+            # One stream per mount: the job's largest loader (training). Smaller ones
+            # (validation, a peek at a batch) are read on demand and keep the epoch count.
+            if length < _followed.get(mountpoint, 0):
+                return
+            _followed[mountpoint] = length
         drawn = list(itertools.islice(self._it, length))
         self._it = itertools.chain(drawn, self._it)
         try:
@@ -188,18 +201,22 @@ def _announce(target, loader, sampler, drawn):
             return
         channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
     batched = loader._auto_collation
-    indices = _flatten(drawn, batched)
+    base, to_base = _base_of(loader.dataset)
+    indices = to_base(_flatten(drawn, batched))
     rank, world = _rank()
     with _lock:
         epoch = _epochs.get(mountpoint, 0)
         _epochs[mountpoint] = epoch + 1
     try:
         channel.connect()
-        dataset = _register(channel, loader.dataset, paths) if paths is not None else None
+        dataset = _register(channel, base, paths) if paths is not None else None
         _send_order(channel, dataset, epoch, rank, world, indices, current=True)
         ahead = _next_epoch_indices(loader, sampler, batched)
         if ahead is not None:
-            _send_order(channel, dataset, epoch + 1, rank, world, ahead, current=False)
+            _send_order(channel, dataset, epoch + 1, rank, world, to_base(ahead), current=False)
+    except ChannelBusy as e:
+        channel.close()
+        _warn(("busy", mountpoint), f"{e}; this epoch is not announced")
     except ChannelError as e:
         # Gone, stopped or refusing: it will be next epoch too. Say so once and leave it be.
         with _lock:
@@ -230,6 +247,24 @@ def _register(channel, dataset, paths):
         handle = channel.request({"op": "dataset", "paths": paths})["dataset"]
         channel.datasets[id(dataset)] = handle
     return handle
+
+
+def _base_of(dataset):
+    """(the dataset under any `Subset`s, a function from indices into `dataset` to indices
+    into it): a job that takes a new `Subset` every epoch registers its files once."""
+    from torch.utils.data import Subset
+
+    maps = []
+    while isinstance(dataset, Subset):
+        maps.append(dataset.indices)
+        dataset = dataset.dataset
+
+    def to_base(indices):
+        for m in maps:
+            indices = [int(m[i]) for i in indices]
+        return indices
+
+    return dataset, to_base
 
 
 def _dataset_paths(dataset):
@@ -264,8 +299,9 @@ def _dataset_paths(dataset):
 
 
 def _target_of(dataset):
-    """(mountpoint, control address, paths relative to it or None) for `dataset`, or None if
-    no stagefs mount holds it. Looked up once per dataset."""
+    """(mountpoint, control address, paths relative to it or None) for `dataset` (under its
+    `Subset`s), or None if no stagefs mount holds it. Looked up once per dataset."""
+    dataset, _ = _base_of(dataset)
     key = id(dataset)
     if key in _targets:
         return _targets[key][1]
@@ -303,7 +339,8 @@ def _generators(obj, depth=0):
     gen = getattr(obj, "generator", None)
     if isinstance(gen, torch.Generator):
         found.append(gen)
-    for name in ("sampler", "batch_sampler", "_sampler"):
+    # `dataset`: Lightning's distributed wrapper keeps the user's sampler in its dataset.
+    for name in ("sampler", "batch_sampler", "_sampler", "dataset"):
         inner = getattr(obj, name, None)
         if inner is not None and inner is not obj:
             found += _generators(inner, depth + 1)
@@ -340,9 +377,17 @@ class _RandomStateKept:
 
 
 def _with_set_epoch(sampler):
-    """(the sampler or the one it batches, if it has ``set_epoch``, and the batch sampler)."""
+    """(the sampler or the one it batches, if its ``set_epoch`` is DistributedSampler's, and
+    the batch sampler). Another ``set_epoch`` may do more than set a number (tell the dataset,
+    say), which on a copy would reach the job."""
+    from torch.utils.data import DistributedSampler
+
     for holder, outer in ((sampler, None), (getattr(sampler, "sampler", None), sampler)):
-        if hasattr(holder, "set_epoch") and isinstance(getattr(holder, "epoch", None), int):
+        if (
+            isinstance(holder, DistributedSampler)
+            and type(holder).set_epoch is DistributedSampler.set_epoch
+            and isinstance(getattr(holder, "epoch", None), int)
+        ):
             return holder, outer
     return None, None
 
@@ -360,6 +405,8 @@ def _next_epoch_indices(loader, sampler, batched):
     import torch
     from torch.utils.data import RandomSampler
 
+    if threading.current_thread() is not threading.main_thread():
+        return None  # putting global random state back would undo other threads' draws
     holder, outer = _with_set_epoch(sampler)
     if holder is not None:
         ahead = copy.copy(holder)

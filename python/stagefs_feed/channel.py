@@ -12,6 +12,7 @@ Messages are JSON, one per line, each answered by one line ``{"ok": true, ...}``
 import json
 import os
 import socket
+import threading
 
 CONTROL_XATTR = "user.stagefs.control"
 
@@ -25,6 +26,10 @@ REPLY_TIMEOUT = 20.0
 
 class ChannelError(Exception):
     """The mount could not be told: gone, refused, or it answered with an error."""
+
+
+class ChannelBusy(ChannelError):
+    """The daemon has too many connections now; later may do."""
 
 
 def control_address(mountpoint):
@@ -61,6 +66,7 @@ class Channel:
         self._pid = None
         # Dataset handles are the daemon's per connection: id(dataset) -> handle.
         self.datasets = {}
+        self._lock = threading.RLock()
 
     def connect(self):
         """Opens the connection unless this process has one open already."""
@@ -91,7 +97,12 @@ class Channel:
         self._sock = self._reader = None
 
     def request(self, message):
-        """Sends one message and returns the daemon's reply; raises ChannelError."""
+        """Sends one message and returns the daemon's reply; raises ChannelError. One at a
+        time: loaders iterated in several threads share the connection."""
+        with self._lock:
+            return self._request(message)
+
+    def _request(self, message):
         self.connect()
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
         try:
@@ -109,7 +120,7 @@ class Channel:
             self.close()
             raise ChannelError(f"the stagefs mount at {self.mountpoint} answered garbage")
         if not reply.get("ok"):
-            raise ChannelError(
-                f"the stagefs mount at {self.mountpoint} refused: {reply.get('error', 'no reason given')}"
-            )
+            why = reply.get("error", "no reason given")
+            error = ChannelBusy if "too many connections" in why else ChannelError
+            raise error(f"the stagefs mount at {self.mountpoint} refused: {why}")
         return reply

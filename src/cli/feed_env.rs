@@ -6,7 +6,8 @@
 //! Lightning) pass the environment to every rank, where a file-based flag could not reach.
 //! The hook's files are part of this binary, so its version always matches the daemon's; an
 //! installed copy (`install.sh`) or the checkout's `python/` is used when it is the same,
-//! otherwise the files are written once to a per-user directory named by their digest.
+//! otherwise the files are written once to a per-user directory named by their digest, or,
+//! where that directory cannot be trusted, to a fresh private one.
 
 use std::fs;
 use std::io::Write;
@@ -71,7 +72,7 @@ fn hook_dir() -> Result<PathBuf> {
             return Ok(fs::canonicalize(&candidate).unwrap_or(candidate));
         }
     }
-    extract_into(&cache_base())
+    extract()
 }
 
 fn holds_hook(dir: &Path) -> bool {
@@ -80,17 +81,60 @@ fn holds_hook(dir: &Path) -> bool {
         .all(|(name, text)| fs::read(dir.join(name)).is_ok_and(|b| b == text.as_bytes()))
 }
 
-/// `$XDG_CACHE_HOME/stagefs`, else `~/.cache/stagefs`, else a per-user directory in /tmp.
-fn cache_base() -> PathBuf {
+/// `$XDG_CACHE_HOME/stagefs`, else `~/.cache/stagefs`; None without either.
+fn cache_base() -> Option<PathBuf> {
     std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(format!("/tmp/stagefs-{}", crate::sys::euid())))
-        .join("stagefs")
+        .map(|dir| dir.join("stagefs"))
 }
 
-/// Writes the hook to `base/python-DIGEST`, complete before it is visible: built aside, then
-/// renamed into place.
+/// The hook in `base/python-DIGEST` if `base` can be trusted (see [`trusted`]), else in a
+/// fresh private directory of its own. Every Python process of the job imports from there
+/// (before the standard library): a directory someone else could write to, or swap, would
+/// run their code in the job, as root if the job is root's.
+fn extract() -> Result<PathBuf> {
+    if let Some(base) = cache_base() {
+        // Created private where missing, then judged as it is.
+        let _ = fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&base);
+        if trusted(&base) {
+            return extract_into(&base);
+        }
+    }
+    let fresh = tempfile::Builder::new()
+        .prefix("stagefs-python-")
+        .tempdir()
+        .context("cannot create a private directory for the feed hook")?
+        .keep();
+    write_hook(&fresh)?;
+    Ok(fresh)
+}
+
+/// Whether `path` and every directory above it are real directories (not links), owned by
+/// root or this user, and writable by no one else, except sticky ones such as /tmp above it
+/// (there others cannot rename or remove what is ours).
+fn trusted(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let me = crate::sys::euid();
+    let Ok(path) = std::path::absolute(path) else {
+        return false;
+    };
+    path.ancestors().enumerate().all(|(depth, dir)| {
+        fs::symlink_metadata(dir).is_ok_and(|m| {
+            let others_write = m.mode() & 0o022 != 0;
+            let sticky = m.mode() & libc::S_ISVTX != 0;
+            m.is_dir()
+                && (m.uid() == me || m.uid() == 0)
+                && (!others_write || (depth > 0 && sticky))
+        })
+    })
+}
+
+/// Writes the hook to `base/python-DIGEST` (whose parents are trusted), complete before it is
+/// visible: built aside, then renamed into place.
 fn extract_into(base: &Path) -> Result<PathBuf> {
     let mut digest = Sha256::new();
     for (name, text) in HOOK_FILES {
@@ -102,23 +146,33 @@ fn extract_into(base: &Path) -> Result<PathBuf> {
         .map(|b| format!("{b:02x}"))
         .collect();
     let dir = base.join(format!("python-{digest}"));
-    if holds_hook(&dir) {
+    if trusted(&dir.join("stagefs_feed")) && holds_hook(&dir) {
         return Ok(dir);
     }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(base)
-        .with_context(|| format!("cannot create {}", base.display()))?;
     let temp = tempfile::Builder::new()
         .prefix(".python-")
         .tempdir_in(base)
         .with_context(|| format!("cannot write in {}", base.display()))?;
-    for (name, text) in HOOK_FILES {
-        let path = temp.path().join(name);
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent)?;
+    write_hook(temp.path())?;
+    let staged = temp.keep();
+    if let Err(e) = fs::rename(&staged, &dir) {
+        let _ = fs::remove_dir_all(&staged);
+        // Another `feed-env` won the race with the same files.
+        if !(trusted(&dir.join("stagefs_feed")) && holds_hook(&dir)) {
+            return Err(e).with_context(|| format!("cannot create {}", dir.display()));
         }
+    }
+    Ok(dir)
+}
+
+/// The hook's files in `dir`, an empty directory of ours.
+fn write_hook(dir: &Path) -> Result<()> {
+    fs::DirBuilder::new()
+        .mode(0o755)
+        .create(dir.join("stagefs_feed"))
+        .with_context(|| format!("cannot write in {}", dir.display()))?;
+    for (name, text) in HOOK_FILES {
+        let path = dir.join(name);
         fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -127,15 +181,7 @@ fn extract_into(base: &Path) -> Result<PathBuf> {
             .and_then(|mut f| f.write_all(text.as_bytes()))
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let staged = temp.keep();
-    if let Err(e) = fs::rename(&staged, &dir) {
-        let _ = fs::remove_dir_all(&staged);
-        // Another `feed-env` won the race with the same files.
-        if !holds_hook(&dir) {
-            return Err(e).with_context(|| format!("cannot create {}", dir.display()));
-        }
-    }
-    Ok(dir)
+    Ok(())
 }
 
 /// `path` in single quotes for sh, quotes inside escaped.
@@ -165,5 +211,32 @@ mod tests {
         let dir = extract_into(home.path()).unwrap();
         assert!(holds_hook(&dir));
         assert_eq!(extract_into(home.path()).unwrap(), dir);
+    }
+
+    #[test]
+    fn a_directory_others_could_write_or_swap_is_not_trusted() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = tempfile::tempdir().unwrap();
+        assert!(trusted(home.path()));
+        let shared = home.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(!trusted(&shared));
+        fs::create_dir(shared.join("inside")).unwrap();
+        assert!(
+            !trusted(&shared.join("inside")),
+            "a parent others can write"
+        );
+        let link = home.path().join("link");
+        std::os::unix::fs::symlink(home.path(), &link).unwrap();
+        assert!(!trusted(&link));
+        // A planted copy with an extra module is not reused: a fresh one is written instead.
+        let planted = extract_into(home.path()).unwrap();
+        fs::set_permissions(
+            planted.join("stagefs_feed"),
+            fs::Permissions::from_mode(0o777),
+        )
+        .unwrap();
+        assert!(!trusted(&planted.join("stagefs_feed")));
     }
 }

@@ -15,24 +15,34 @@ mod protocol;
 mod service;
 
 pub use protocol::{Reply, Request};
-pub use service::{AdmitOther, MAX_ANNOUNCED, MountControl};
+pub use service::{AdmitOther, JobPin, MAX_ANNOUNCED, MAX_WORLD_SIZE, MountControl};
 
+use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Longest request line: an announcement of ~10 M indices, or the paths of ~4 M files, in
-/// JSON. Larger datasets announce indices through the mount's layout instead of paths.
-pub const MAX_REQUEST_BYTES: u64 = 256 << 20;
-/// Connections served at once: every rank of a node plus a few `stagefs` commands.
+/// Longest request line: an announcement of ~14 M indices (ImageNet-21k), or the paths of
+/// ~2 M files, in JSON. Larger datasets announce indices through the mount's layout instead
+/// of paths. Parsed, such a line takes up to 4 times its size.
+pub const MAX_REQUEST_BYTES: u64 = 128 << 20;
+/// Requests longer than this are parsed and handled one at a time, so that many clients at
+/// once cannot make the daemon hold many parsed maximal requests.
+const LARGE_REQUEST_BYTES: usize = 1 << 20;
+/// Connections served at once: every rank of a node plus a few `stagefs` commands...
 const MAX_CONNECTIONS: usize = 64;
-/// A client that stops sending mid-request is dropped after this long.
-const READ_TIMEOUT: Duration = Duration::from_secs(120);
+/// ...and of those, the most one user may hold, so no one user shuts the others out.
+const MAX_CONNECTIONS_PER_USER: usize = 16;
+/// A client that stops sending mid-request, or stops reading replies, is dropped after this
+/// long.
+const IO_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(200);
 
@@ -64,7 +74,11 @@ pub enum RequestError {
     #[error("the mount is going away")]
     Unmounting,
     #[error(transparent)]
-    NotFed(#[from] crate::stager::NotFed),
+    Announce(#[from] crate::stager::AnnounceError),
+    #[error("the world size {0} is larger than any job's (at most {MAX_WORLD_SIZE})")]
+    WorldSize(u32),
+    #[error("this mount follows the announcements of uid {0}'s job while it is connected")]
+    OtherJob(u32),
     #[error(
         "this mount has no epochs to move between (--sampler {0}); a fed mount follows the job's announcements"
     )]
@@ -157,8 +171,51 @@ fn getrandom(buf: &mut [u8]) -> io::Result<()> {
     file.read_exact(buf)
 }
 
+/// Connections open, in all and per user.
+#[derive(Default)]
+struct Slots {
+    per_user: HashMap<u32, usize>,
+    total: usize,
+}
+
+/// One connection's slot, given back when the connection ends.
+struct Slot {
+    slots: Arc<Mutex<Slots>>,
+    uid: u32,
+}
+
+impl Slot {
+    fn take(slots: &Arc<Mutex<Slots>>, uid: u32) -> Option<Slot> {
+        let mut s = slots.lock();
+        let mine = s.per_user.get(&uid).copied().unwrap_or(0);
+        if s.total >= MAX_CONNECTIONS || mine >= MAX_CONNECTIONS_PER_USER {
+            return None;
+        }
+        s.total += 1;
+        *s.per_user.entry(uid).or_default() += 1;
+        Some(Slot {
+            slots: slots.clone(),
+            uid,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = self.slots.lock();
+        s.total -= 1;
+        if let Some(n) = s.per_user.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                s.per_user.remove(&self.uid);
+            }
+        }
+    }
+}
+
 fn accept_loop(listener: UnixListener, service: Arc<dyn Service>, shutdown: Arc<AtomicBool>) {
-    let active = Arc::new(AtomicUsize::new(0));
+    let slots = Arc::new(Mutex::new(Slots::default()));
+    let large = Arc::new(Mutex::new(()));
     while !shutdown.load(Ordering::SeqCst) {
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
@@ -172,17 +229,24 @@ fn accept_loop(listener: UnixListener, service: Arc<dyn Service>, shutdown: Arc<
                 continue;
             }
         };
-        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+        let peer = match peer_of(&stream) {
+            Ok(p) => p,
+            Err(e) => {
+                refuse(stream, &format!("cannot tell who is connecting: {e}"));
+                continue;
+            }
+        };
+        let Some(slot) = Slot::take(&slots, peer.uid) else {
             refuse(stream, "too many connections to this mount; try again");
             continue;
-        }
-        let (service, active) = (service.clone(), active.clone());
-        active.fetch_add(1, Ordering::SeqCst);
+        };
+        let (service, large) = (service.clone(), large.clone());
+        // The slot goes back when the thread ends, or at once if it cannot start.
         let spawned = std::thread::Builder::new()
             .name("control-conn".into())
             .spawn(move || {
-                serve(stream, &*service);
-                active.fetch_sub(1, Ordering::SeqCst);
+                serve(stream, peer, &*service, &large);
+                drop(slot);
             });
         if let Err(e) = spawned {
             log::warn!("control socket: cannot start a connection thread: {e}");
@@ -223,16 +287,13 @@ fn peer_of(stream: &UnixStream) -> io::Result<Peer> {
     })
 }
 
-fn serve(stream: UnixStream, service: &dyn Service) {
-    if stream.set_nonblocking(false).is_err()
-        || stream.set_read_timeout(Some(READ_TIMEOUT)).is_err()
-    {
+fn serve(stream: UnixStream, peer: Peer, service: &dyn Service, large: &Mutex<()>) {
+    let timeouts = stream.set_nonblocking(false).is_ok()
+        && stream.set_read_timeout(Some(IO_TIMEOUT)).is_ok()
+        && stream.set_write_timeout(Some(IO_TIMEOUT)).is_ok();
+    if !timeouts {
         return;
     }
-    let peer = match peer_of(&stream) {
-        Ok(p) => p,
-        Err(e) => return refuse(stream, &format!("cannot tell who is connecting: {e}")),
-    };
     if let Some(why) = service.refuse(peer) {
         log::warn!(
             "control socket: refused pid {} (uid {}): {why}",
@@ -262,12 +323,18 @@ fn serve(stream: UnixStream, service: &dyn Service) {
                 let _ = writeln!(writer, "{}", Reply::error(&why).to_line());
                 return;
             }
-            Ok(_) => match Request::parse(&line) {
-                Ok(request) => session
-                    .handle(request)
-                    .unwrap_or_else(|e| Reply::error(&e.to_string())),
-                Err(e) => Reply::error(&e.to_string()),
-            },
+            Ok(n) => {
+                let _one_at_a_time = (n > LARGE_REQUEST_BYTES).then(|| large.lock());
+                let reply = match Request::parse(&line) {
+                    Ok(request) => session
+                        .handle(request)
+                        .unwrap_or_else(|e| Reply::error(&e.to_string())),
+                    Err(e) => Reply::error(&e.to_string()),
+                };
+                // A large request's buffer is not kept for the rest of the connection.
+                line.shrink_to(LARGE_REQUEST_BYTES);
+                reply
+            }
         };
         if writeln!(writer, "{}", reply.to_line()).is_err() {
             return;
@@ -290,7 +357,7 @@ impl Client {
             None => SocketAddr::from_pathname(address)?,
         };
         let stream = UnixStream::connect_addr(&addr)?;
-        stream.set_read_timeout(Some(READ_TIMEOUT))?;
+        stream.set_read_timeout(Some(IO_TIMEOUT))?;
         let reader = BufReader::new(stream.try_clone()?);
         Ok(Client { stream, reader })
     }

@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::sync::{Arc, Weak};
 
+use parking_lot::Mutex;
+
 use super::{Peer, Reply, Request, RequestError, Service, Session};
 use crate::catalog::{FileId, Kind, Layout};
 use crate::fs::MountedDataset;
@@ -11,8 +13,12 @@ use crate::fs::MountedDataset;
 /// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
 /// 14 M samples), low enough that a bad client cannot make the daemon allocate without bound.
 pub const MAX_ANNOUNCED: usize = 1 << 26;
-/// Datasets one connection may register (a job has a train and a validation set, or a few).
+/// Datasets one connection may register (a job has a train and a validation set, or a few)...
 const MAX_DATASETS: usize = 64;
+/// ...and the files they may list together: what one connection can make the daemon hold.
+const MAX_REGISTERED: usize = MAX_ANNOUNCED;
+/// Largest world size taken: the most ranks `--ranks` accepts.
+pub const MAX_WORLD_SIZE: u32 = 1 << 16;
 
 /// Decides whether a user other than the mount's owner and root may use the channel.
 pub type AdmitOther = Box<dyn Fn(Peer) -> Result<(), String> + Send + Sync>;
@@ -27,6 +33,18 @@ pub struct MountControl {
     pub owner: u32,
     /// For an `--allow-other` mount, whether another user may (None: nobody else).
     pub admit_other: Option<AdmitOther>,
+    /// The job the mount follows (see [`JobPin`]).
+    pub job: Arc<Mutex<JobPin>>,
+}
+
+/// Which user's job the announcements come from. On an `--allow-other` mount several users
+/// may connect; once one announces, the others' announcements are refused for as long as that
+/// user has a connection that announced open, so nobody can steer another user's staging.
+/// The mount's owner and root are never refused.
+#[derive(Default)]
+pub struct JobPin {
+    uid: Option<u32>,
+    connections: usize,
 }
 
 impl Service for MountControl {
@@ -43,11 +61,16 @@ impl Service for MountControl {
         }
     }
 
-    fn session(&self, _peer: Peer) -> Box<dyn Session> {
+    fn session(&self, peer: Peer) -> Box<dyn Session> {
         Box::new(ControlSession {
             data: self.data.clone(),
             layout: self.layout.clone(),
+            peer,
+            privileged: peer.uid == 0 || peer.uid == self.owner,
+            job: self.job.clone(),
+            pinned: false,
             datasets: Vec::new(),
+            registered: 0,
         })
     }
 }
@@ -55,8 +78,48 @@ impl Service for MountControl {
 struct ControlSession {
     data: Weak<MountedDataset>,
     layout: Arc<Layout>,
+    peer: Peer,
+    /// The mount's owner or root: told how many paths are files (others could otherwise probe
+    /// for names in directories SOURCE does not let them list), never refused as another job.
+    privileged: bool,
+    job: Arc<Mutex<JobPin>>,
+    /// This connection holds the job pin.
+    pinned: bool,
     /// Registered datasets: the file each of their indices reads, if it is on this mount.
     datasets: Vec<Vec<Option<FileId>>>,
+    /// Their entries together.
+    registered: usize,
+}
+
+impl ControlSession {
+    /// Refuses an announcement from another user's job than the one the mount follows.
+    fn pin_job(&mut self) -> Result<(), RequestError> {
+        if self.privileged || self.pinned {
+            return Ok(());
+        }
+        let mut job = self.job.lock();
+        match job.uid {
+            Some(uid) if uid != self.peer.uid => Err(RequestError::OtherJob(uid)),
+            _ => {
+                job.uid = Some(self.peer.uid);
+                job.connections += 1;
+                self.pinned = true;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for ControlSession {
+    fn drop(&mut self) {
+        if self.pinned {
+            let mut job = self.job.lock();
+            job.connections -= 1;
+            if job.connections == 0 {
+                job.uid = None;
+            }
+        }
+    }
 }
 
 impl Session for ControlSession {
@@ -72,13 +135,17 @@ impl Session for ControlSession {
                 dataset,
                 indices,
             } => {
+                if world_size > MAX_WORLD_SIZE {
+                    return Err(RequestError::WorldSize(world_size));
+                }
                 if rank >= world_size {
                     return Err(RequestError::Rank { rank, world_size });
                 }
+                self.pin_job()?;
                 let files = self.files_of(dataset, &indices)?;
                 let count = files.len();
                 data.stager.announce(epoch, rank, files, current)?;
-                Ok(Reply::ok().with("files", count))
+                Ok(self.counted(Reply::ok(), count))
             }
             Request::Epoch { epoch } => {
                 let plan = data.stager.plan();
@@ -105,10 +172,10 @@ impl ControlSession {
                 max: MAX_DATASETS,
             });
         }
-        if paths.len() > MAX_ANNOUNCED {
+        if self.registered + paths.len() > MAX_REGISTERED {
             return Err(RequestError::TooMany {
-                what: "paths",
-                max: MAX_ANNOUNCED,
+                what: "paths registered on one connection",
+                max: MAX_REGISTERED,
             });
         }
         let files: Vec<Option<FileId>> = paths
@@ -116,13 +183,22 @@ impl ControlSession {
             .map(|p| p.as_deref().and_then(|p| file_at(data, p)))
             .collect();
         let found = files.iter().flatten().count();
-        if found == 0 && !paths.is_empty() {
+        if found == 0 && !paths.is_empty() && self.privileged {
             return Err(RequestError::NoFiles(paths.len()));
         }
+        self.registered += files.len();
         self.datasets.push(files);
-        Ok(Reply::ok()
-            .with("dataset", self.datasets.len() - 1)
-            .with("files", found))
+        let reply = Reply::ok().with("dataset", self.datasets.len() - 1);
+        Ok(self.counted(reply, found))
+    }
+
+    /// How many files a request named, for those who may know.
+    fn counted(&self, reply: Reply, files: usize) -> Reply {
+        if self.privileged {
+            reply.with("files", files)
+        } else {
+            reply
+        }
     }
 
     /// The files `indices` read, in order, through a registered dataset or the mount's layout.

@@ -202,6 +202,7 @@ fn start_control(
         layout,
         owner: crate::sys::euid(),
         admit_other,
+        job: Default::default(),
     };
     let server = ControlServer::start(Arc::new(service))?;
     let _ = data.control_address.set(server.address().to_string());

@@ -21,7 +21,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
-pub use feed::Feed;
+pub use feed::{Feed, FeedError};
 pub use tracker::{Tracker, TrackerMode, TrackerSettings, find_position};
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
@@ -56,8 +56,10 @@ impl Epochs {
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
     pub epoch: u64,
-    /// The announcement it was built from ([`Feed::version_of`]; 0 for a computed order).
+    /// The announcement it was built from ([`Feed::version_of`]; 0 for a computed order), and
+    /// the epoch length then (a fed stream is cut to it).
     built_from: u64,
+    built_len: u64,
     /// File read at each offset of the epoch.
     stream: Vec<MaybeFile>,
     /// `positions[starts[f]..starts[f + 1]]` are the offsets (ascending) where file f is read.
@@ -66,7 +68,12 @@ pub struct EpochPlan {
 }
 
 impl EpochPlan {
-    fn build(epoch: u64, built_from: u64, stream: Vec<MaybeFile>, file_count: usize) -> EpochPlan {
+    fn build(
+        epoch: u64,
+        (built_from, built_len): (u64, u64),
+        stream: Vec<MaybeFile>,
+        file_count: usize,
+    ) -> EpochPlan {
         // Counting sort: a CSR index in two passes, no per-file allocation.
         let mut starts = vec![0u32; file_count + 1];
         for f in stream.iter().filter_map(|f| f.get()) {
@@ -86,6 +93,7 @@ impl EpochPlan {
         EpochPlan {
             epoch,
             built_from,
+            built_len,
             stream,
             starts,
             positions,
@@ -197,13 +205,13 @@ impl Plan {
     /// Takes what `rank` announced it reads in `epoch`. Returns whether the epoch length grew
     /// to fit it: positions then mean other places, and the caller (holding the stager's lock)
     /// must move the tracker to the new coordinates before anyone uses one.
-    pub fn announce(&self, epoch: u64, rank: u32, files: Vec<FileId>) -> bool {
+    pub fn announce(&self, epoch: u64, rank: u32, files: Arc<[FileId]>) -> Result<bool, FeedError> {
         let Some(feed) = &self.feed else {
-            return false;
+            return Ok(false);
         };
-        let len = feed.announce(epoch, rank, files);
+        let len = feed.announce(epoch, rank, files)?;
         if len <= self.epoch_len() {
-            return false;
+            return Ok(false);
         }
         // Room for every file once or more, so a job's later, longer epochs (another loader,
         // more ranks announcing) rarely grow it again; a power of two keeps it stable.
@@ -217,17 +225,18 @@ impl Plan {
             );
         }
         if grown <= self.epoch_len() {
-            return false;
+            return Ok(false);
         }
         self.epoch_len.store(grown, Ordering::SeqCst);
-        true
+        Ok(true)
     }
 
     /// The announcement version `plan` must have been built from to be current.
     fn is_current(&self, plan: &EpochPlan) -> bool {
-        self.feed
-            .as_ref()
-            .is_none_or(|f| plan.built_from >= f.version_of(plan.epoch))
+        // The version is published before a grown length: a plan built in between is cut short.
+        self.feed.as_ref().is_none_or(|f| {
+            plan.built_from >= f.version_of(plan.epoch) && plan.built_len == self.epoch_len()
+        })
     }
 
     pub fn sampler(&self) -> &SamplerConfig {
@@ -340,7 +349,8 @@ impl Plan {
         let started = std::time::Instant::now();
         // Read before the stream: an announcement racing with this makes the plan stale.
         let version = self.feed.as_ref().map_or(0, |f| f.version_of(epoch));
-        let plan = EpochPlan::build(epoch, version, self.stream(epoch), self.id_space);
+        let len = self.epoch_len();
+        let plan = EpochPlan::build(epoch, (version, len), self.stream(epoch), self.id_space);
         log::debug!(
             "planned epoch {epoch}: {} positions in {:.1?}",
             plan.len(),

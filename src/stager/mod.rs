@@ -95,12 +95,16 @@ impl OpenError {
     }
 }
 
-/// An announcement to a mount that computes its order itself.
+/// Why an announcement changed nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "this mount predicts the order itself (--sampler {0}); mount with --sampler feed to follow announcements"
-)]
-pub struct NotFed(pub crate::order::SamplerKind);
+pub enum AnnounceError {
+    #[error(
+        "this mount predicts the order itself (--sampler {0}); mount with --sampler feed to follow announcements"
+    )]
+    NotFed(crate::order::SamplerKind),
+    #[error(transparent)]
+    Feed(#[from] crate::plan::FeedError),
+}
 
 pub type OpenResult = Result<Opened, OpenError>;
 pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
@@ -334,18 +338,20 @@ impl Stager {
         rank: u32,
         files: Vec<FileId>,
         current: bool,
-    ) -> Result<(), NotFed> {
+    ) -> Result<(), AnnounceError> {
         let plan = &self.inner.plan;
         if !plan.is_fed() {
-            return Err(NotFed(plan.sampler().kind));
+            return Err(AnnounceError::NotFed(plan.sampler().kind));
         }
         let count = files.len();
+        // Converted (a copy of up to millions of ids) before the lock is taken.
+        let files: Arc<[FileId]> = files.into();
         {
             let mut st = self.inner.state.lock();
             let (at_epoch, at_offset) = st.tracker.epoch_position();
             // Growing the epoch length moves every position: the tracker follows at once,
             // under the same lock, to where it was.
-            if plan.announce(epoch, rank, files) && st.tracker.mode() == TrackerMode::Predicting {
+            if plan.announce(epoch, rank, files)? && st.tracker.mode() == TrackerMode::Predicting {
                 let pos = plan.join(at_epoch, at_offset);
                 self.inner.reposition(&mut st, pos);
             }

@@ -49,6 +49,11 @@ def loaders():
         num_workers=2,
     ), None
 
+    yield "a Subset of the dataset (indices announced as the base dataset's)", lambda: DataLoader(
+        torch.utils.data.Subset(ds, list(reversed(range(N)))), batch_size=8, shuffle=True,
+        generator=torch.Generator().manual_seed(6),
+    ), None
+
     def distributed():
         s = DistributedSampler(ds, num_replicas=2, rank=1, seed=5)
         return DataLoader(ds, batch_size=8, sampler=s)
@@ -76,6 +81,7 @@ def main():
     for name, make, epoch_hook in loaders():
         sent.clear()
         stagefs_feed._epochs.clear()
+        stagefs_feed._followed.clear()
         order, after = run(make, True, epoch_hook=epoch_hook)
         if (order, after) != plain[name]:
             print(f"{name}: the hook changed what the job drew", file=sys.stderr)
