@@ -87,6 +87,9 @@ def loaders(args, ds, targets):
         loader = DataLoader(ds, sampler=sampler, **common_kw)
 
         def epoch_loader(epoch):
+            # Ranks of a real DDP job stay within a step of each other (every step all-reduces
+            # gradients); without training, a barrier per epoch keeps them as close.
+            torch.distributed.barrier()
             sampler.set_epoch(epoch)
             return loader
 
