@@ -305,19 +305,11 @@ pub(super) fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) 
 mod tests {
     use super::*;
 
-    fn cred(uid: u32, groups: &[u32]) -> Credential {
-        Credential {
-            uid,
-            gid: uid,
-            groups: groups.to_vec(),
-        }
-    }
-
     #[test]
     fn decisions_are_per_credential_and_per_id() {
         let d = Decisions::new(100);
-        let a = cred(1000, &[]);
-        let a_in_g = cred(1000, &[50]);
+        let a = Credential::for_tests(1000, &[]);
+        let a_in_g = Credential::for_tests(1000, &[50]);
         assert_eq!(d.get(&a, 7), None);
         d.set(&a, 7, false);
         d.set(&a, 8, true);
@@ -346,22 +338,26 @@ mod tests {
     #[test]
     fn credentials_kept_are_bounded_least_recently_used_dropped() {
         let d = Decisions::new(10);
-        let first = cred(1, &[]);
+        let first = Credential::for_tests(1, &[]);
         d.set(&first, 1, true);
         for uid in 2..=MAX_CREDENTIALS as u32 + 5 {
             // `first` stays recent: it is used between every new credential.
             assert_eq!(d.get(&first, 1), Some(true));
-            d.set(&cred(uid, &[]), 1, true);
+            d.set(&Credential::for_tests(uid, &[]), 1, true);
         }
         assert_eq!(d.table.lock().len(), MAX_CREDENTIALS);
         assert_eq!(d.get(&first, 1), Some(true));
-        assert_eq!(d.get(&cred(2, &[]), 1), None, "the oldest was dropped");
+        assert_eq!(
+            d.get(&Credential::for_tests(2, &[]), 1),
+            None,
+            "the oldest was dropped"
+        );
     }
 
     #[test]
     fn decisions_expire_so_a_revocation_on_source_is_seen() {
         let d = Decisions::new(10);
-        let c = cred(7, &[]);
+        let c = Credential::for_tests(7, &[]);
         d.set(&c, 3, true);
         let now = Instant::now();
         assert_eq!(d.get_at(&c, 3, now), Some(true));

@@ -108,6 +108,18 @@ pub struct Credential {
     pub groups: Vec<u32>,
 }
 
+#[cfg(test)]
+impl Credential {
+    /// A user whose primary group has its uid's number, in `groups`.
+    pub(super) fn for_tests(uid: u32, groups: &[u32]) -> Credential {
+        Credential {
+            uid,
+            gid: uid,
+            groups: groups.to_vec(),
+        }
+    }
+}
+
 /// `/proc/<pid>/status`, read without `fs::read`'s extra stat: it is on every open of
 /// another user.
 pub(super) fn read_status(pid: u32) -> io::Result<Vec<u8>> {
@@ -294,14 +306,6 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         assert_eq!(s.tgid, std::process::id());
     }
 
-    fn cred(uid: u32, groups: &[u32]) -> Credential {
-        Credential {
-            uid,
-            gid: uid,
-            groups: groups.to_vec(),
-        }
-    }
-
     /// Root only (CI runs as root): the switch changes this thread alone, SOURCE's kernel
     /// then answers for the caller, and everything is restored.
     #[test]
@@ -318,7 +322,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let root = sys::open_directory(dir.path()).unwrap();
         let (before_uid, before_groups) = (fsuid_now(), groups_now().unwrap());
-        let nobody = cred(65534, &[]);
+        let nobody = Credential::for_tests(65534, &[]);
         let in_group_0 = Credential {
             uid: 65534,
             gid: 65534,
