@@ -152,7 +152,7 @@ impl Session for ControlSession {
                 if !plan.sampler().predicts() || plan.is_fed() {
                     return Err(RequestError::NoEpochs(plan.sampler().kind));
                 }
-                data.stager.check_epoch(epoch)?;
+                plan.check_epoch_reachable(epoch)?;
                 data.stager.set_epoch(epoch);
                 Ok(Reply::ok())
             }

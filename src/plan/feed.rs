@@ -83,11 +83,6 @@ impl Feed {
         self.epochs.lock().get(&epoch).map_or(0, |a| a.version)
     }
 
-    /// Whether anything was announced yet.
-    pub fn is_empty(&self) -> bool {
-        self.epochs.lock().is_empty()
-    }
-
     /// Ranks that announced `epoch`.
     pub fn ranks(&self, epoch: u64) -> Vec<u32> {
         self.epochs
@@ -138,7 +133,7 @@ mod tests {
     #[test]
     fn ranks_merge_in_lock_step_and_the_newest_announcement_counts() {
         let feed = Feed::default();
-        assert!(feed.is_empty() && feed.node_stream(0).is_empty());
+        assert!(feed.node_stream(0).is_empty());
         assert_eq!(feed.version_of(0), 0);
         assert_eq!(feed.announce(0, 1, vec![10, 11, 12].into()).unwrap(), 3);
         let v = feed.version_of(0);

@@ -313,12 +313,7 @@ impl Stager {
         &self.inner.plan
     }
 
-    /// Why the job cannot be moved to `epoch`, if planning it would take minutes.
-    pub fn check_epoch(&self, epoch: u64) -> Result<(), crate::order::OrderError> {
-        self.inner.plan.check_epoch_reachable(epoch)
-    }
-
-    /// The job says it (re)starts at `epoch` (`stagefs epoch`).
+    /// The job says it (re)starts at `epoch` (`stagefs epoch`, or its announcement).
     pub fn set_epoch(&self, epoch: u64) {
         // Planned before taking the lock: opens meanwhile go on.
         self.inner.plan.epoch(epoch);
@@ -356,20 +351,19 @@ impl Stager {
                 self.inner.reposition(&mut st, pos);
             }
         }
-        // Planned before taking the lock again: opens meanwhile go on with the stale plan.
-        plan.epoch(epoch);
-        let mut st = self.inner.state.lock();
-        if current {
-            let pos = plan.join(epoch, 0);
-            self.inner.reposition(&mut st, pos);
-        } else {
-            self.inner.rekey_all(&mut st);
-            self.inner.plan_ahead(&mut st);
-        }
         log::info!(
             "rank {rank} announced epoch {epoch}{}: {count} files",
             if current { "" } else { " (ahead)" }
         );
+        if current {
+            self.set_epoch(epoch);
+            return Ok(());
+        }
+        // Planned before taking the lock again: opens meanwhile go on with the stale plan.
+        plan.epoch(epoch);
+        let mut st = self.inner.state.lock();
+        self.inner.rekey_all(&mut st);
+        self.inner.plan_ahead(&mut st);
         drop(st);
         self.inner.work.notify_all();
         Ok(())
