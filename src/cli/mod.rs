@@ -60,9 +60,11 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Prediction (the job's sampler)")]
 pub struct SamplerArgs {
-    /// Sampler the job uses (`feed`: the job announces its order, see `stagefs feed-env`)
-    #[arg(long, value_enum, default_value_t = SamplerKind::TorchDistributed, value_name = "NAME")]
-    pub sampler: SamplerKind,
+    /// Sampler the job uses (`auto`: found from the job's first opens; `feed`: the job
+    /// announces its order, see `stagefs feed-env`) [default: auto for mount, torch-distributed
+    /// for order]
+    #[arg(long, value_enum, value_name = "NAME")]
+    pub sampler: Option<SamplerKind>,
     /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed)
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: i128,
@@ -97,9 +99,10 @@ pub struct SamplerArgs {
 }
 
 impl SamplerArgs {
-    /// The sampler settings and the local ranks, checked for shape (not yet against the length).
-    pub fn config(&self) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
-        let kind = self.sampler;
+    /// The sampler settings and the local ranks, checked for shape (not yet against the length);
+    /// `default` is the sampler when `--sampler` is not given.
+    pub fn config(&self, default: SamplerKind) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
+        let kind = self.sampler.unwrap_or(default);
         let mut cfg = SamplerConfig::new(kind);
         cfg.seed = self.seed;
         cfg.world_size = self.world_size;
@@ -257,7 +260,7 @@ mod tests {
         let super::Command::Order(args) = parse("chainer").unwrap().command else {
             unreachable!()
         };
-        assert_eq!(args.sampler.sampler, crate::order::SamplerKind::NumpyLegacy);
+        assert_eq!(args.sampler.sampler, Some(crate::order::SamplerKind::NumpyLegacy));
         for kind in crate::order::SamplerKind::ALL {
             assert!(parse(kind.name()).is_ok(), "{kind}");
         }

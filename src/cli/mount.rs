@@ -12,7 +12,7 @@ use clap::Args;
 use super::size::{LookaheadError, SizeError, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::daemon::{self, Capacity, MountConfig};
-use crate::order::OrderError;
+use crate::order::{OrderError, SamplerKind};
 
 #[derive(Args, Debug, Clone)]
 pub struct MountArgs {
@@ -125,7 +125,7 @@ impl TryFrom<&MountArgs> for MountConfig {
     type Error = MountArgsError;
 
     fn try_from(args: &MountArgs) -> Result<MountConfig, MountArgsError> {
-        let (sampler, ranks) = args.sampler.config()?;
+        let (sampler, ranks) = args.sampler.config(SamplerKind::Auto)?;
         let capacity = match args.cache_size.as_deref() {
             Some(size) => Capacity::Bytes(parse_size(size).map_err(MountArgsError::CacheSize)?),
             None => Capacity::FreeSpace,

@@ -10,6 +10,7 @@ use clap::Args;
 
 use super::{LayoutArgs, SamplerArgs};
 use crate::catalog::{Catalog, Layout};
+use crate::order::SamplerKind;
 
 #[derive(Args, Debug)]
 pub struct OrderArgs {
@@ -40,11 +41,15 @@ pub struct OrderArgs {
 }
 
 pub fn run(args: OrderArgs) -> anyhow::Result<()> {
-    let (cfg, ranks) = args.sampler.config()?;
-    if cfg.kind == crate::order::SamplerKind::Feed {
-        anyhow::bail!(
+    let (cfg, ranks) = args.sampler.config(SamplerKind::TorchDistributed)?;
+    match cfg.kind {
+        SamplerKind::Feed => anyhow::bail!(
             "--sampler feed has no order of its own: the job announces it as it runs (see `stagefs feed-env`)"
-        );
+        ),
+        SamplerKind::Auto => anyhow::bail!(
+            "--sampler auto has no order of its own: a mount finds it from the job's first opens and `stagefs stats MOUNT` shows what it found"
+        ),
+        _ => {}
     }
     let (len, dataset) = match &args.source {
         Some(dir) => {

@@ -135,6 +135,7 @@ fn sampler_line(s: &Snapshot) -> String {
 pub fn table(s: &Snapshot) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("sampler", sampler_line(s)),
+        ("prediction", s.prediction.clone()),
         (
             "epoch / position",
             format!("{} / {} of {}", s.epoch, s.position, s.epoch_len),

@@ -168,7 +168,6 @@ fn start_stager(
         catalog,
         stager,
         counters,
-        sampler_name: config.sampler.kind.to_string(),
         started: Instant::now(),
         passthrough_wanted: config.passthrough,
         source_root,

@@ -17,6 +17,7 @@ use std::time::{Instant, SystemTime};
 use super::access::{self, Caller, Gate};
 use super::error::FsError;
 use super::opens::{OpenReply, Opens};
+use super::launcher::Launchers;
 use super::xattr::Probes;
 use crate::catalog::{Catalog, Entry, FileId, Kind};
 use crate::stager::{SourceRoot, Stager};
@@ -27,7 +28,6 @@ pub struct MountedDataset {
     pub catalog: Arc<Catalog>,
     pub stager: Stager,
     pub counters: Arc<Counters>,
-    pub sampler_name: String,
     pub started: Instant,
     /// Whether cached files may be handed to the kernel (`--no-passthrough` clears it).
     pub passthrough_wanted: bool,
@@ -43,7 +43,6 @@ impl MountedDataset {
         Snapshot::take(
             &self.counters,
             self.stager.gauges(),
-            self.sampler_name.clone(),
             passthrough,
             self.started,
         )
@@ -91,6 +90,8 @@ pub struct DatasetFs<B> {
     gate: Gate,
     /// Size probes of our extended attributes, for this mount.
     pub(super) probes: Probes,
+    /// Which rank each opener is, while `--sampler auto` wants to know.
+    launchers: Launchers,
 }
 
 /// The catalog id behind inode `ino`.
@@ -109,6 +110,7 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             data,
             opens: Arc::new(Opens::new()),
             probes: Probes::default(),
+            launchers: Launchers::default(),
         }
     }
 
@@ -210,6 +212,10 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
     pub fn open<R: OpenReply<Backing = B>>(&self, ino: u64, flags: i32, caller: Caller, reply: R) {
         if let Err(e) = self.check_open(ino, flags, caller) {
             return reply.error(e);
+        }
+        let stager = &self.data.stager;
+        if stager.wants_job_ranks() {
+            stager.observe_open(id(ino), self.launchers.rank_of(caller.pid));
         }
         let opens = self.opens.clone();
         self.data.stager.open(

@@ -15,6 +15,7 @@ mod credentials;
 mod dataset;
 mod error;
 mod fuse;
+mod launcher;
 mod opens;
 mod xattr;
 

@@ -85,7 +85,6 @@ fn fixture_with(
         catalog,
         stager,
         counters,
-        sampler_name: "test".into(),
         started: Instant::now(),
         passthrough_wanted: true,
         source_root: root,

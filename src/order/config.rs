@@ -27,11 +27,14 @@ pub enum SamplerKind {
     Feed,
     /// No prediction.
     None,
+    /// Find the sampler, seed, ranks and epoch from the job's first opens (the default).
+    Auto,
 }
 
 impl SamplerKind {
     /// Every sampler, in the order the help lists them.
-    pub const ALL: [SamplerKind; 8] = [
+    pub const ALL: [SamplerKind; 9] = [
+        Self::Auto,
         Self::TorchDistributed,
         Self::TorchRandom,
         Self::NumpyLegacy,
@@ -53,6 +56,7 @@ impl SamplerKind {
             Self::List => "list",
             Self::Feed => "feed",
             Self::None => "none",
+            Self::Auto => "auto",
         }
     }
 }
@@ -72,16 +76,20 @@ pub enum GeneratorSource {
     /// nothing else (model init, dropout, random transforms in the main process, ...) draws
     /// from it between epochs.
     Global,
+    /// `RandomSampler(ds, generator=torch.Generator().manual_seed(seed))` passed to the
+    /// DataLoader: the loader's base seed comes from the global generator, not this one.
+    Sampler,
 }
 
 impl GeneratorSource {
-    pub const ALL: [GeneratorSource; 2] = [Self::Loader, Self::Global];
+    pub const ALL: [GeneratorSource; 3] = [Self::Loader, Self::Global, Self::Sampler];
 
     /// The name on the command line (`--generator`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Loader => "loader",
             Self::Global => "global",
+            Self::Sampler => "sampler",
         }
     }
 }
@@ -180,9 +188,46 @@ impl SamplerConfig {
         }
     }
 
-    /// Whether this sampler yields an order at all (`none` does not).
+    /// Whether this sampler yields an order at all (`none` does not, nor `auto` until it has
+    /// found one).
     pub fn predicts(&self) -> bool {
-        self.kind != SamplerKind::None
+        !matches!(self.kind, SamplerKind::None | SamplerKind::Auto)
+    }
+
+    /// The `stagefs mount` flags that predict this sampler for `ranks`, starting at `epoch`
+    /// (defaults left out).
+    pub fn flags(&self, ranks: &[u32], epoch: u64) -> String {
+        let defaults = SamplerConfig::new(self.kind);
+        let mut flags = format!("--sampler {}", self.kind);
+        let seeded = matches!(
+            self.kind,
+            SamplerKind::TorchDistributed
+                | SamplerKind::TorchRandom
+                | SamplerKind::NumpyLegacy
+                | SamplerKind::NumpyGenerator
+        );
+        if seeded {
+            flags += &format!(" --seed {}", self.seed);
+        }
+        if self.kind == SamplerKind::TorchRandom {
+            flags += &format!(" --generator {}", self.generator);
+            if self.persistent_workers {
+                flags += " --persistent-workers";
+            }
+        }
+        if self.kind == SamplerKind::TorchDistributed {
+            flags += &format!(" --world-size {} --ranks {}", self.world_size, rank_list(ranks));
+            if self.drop_last != defaults.drop_last {
+                flags += " --drop-last";
+            }
+            if self.shuffle != defaults.shuffle {
+                flags += " --no-shuffle";
+            }
+        }
+        if self.predicts() && self.kind != SamplerKind::Feed {
+            flags += &format!(" --epoch {epoch}");
+        }
+        flags
     }
 
     /// Random words drawn (or skipped) to reach `epoch` from the start of the stream: numpy's
@@ -191,7 +236,7 @@ impl SamplerConfig {
     pub fn replay_words(&self, len: u64, epoch: u64) -> u128 {
         let per_epoch = match self.kind {
             SamplerKind::NumpyLegacy | SamplerKind::NumpyGenerator => u128::from(len),
-            SamplerKind::TorchRandom if self.generator == GeneratorSource::Loader => {
+            SamplerKind::TorchRandom if self.generator != GeneratorSource::Global => {
                 2 * u128::from(torch::randperm_draws(len, self.torch_version))
             }
             _ => 0,
@@ -232,7 +277,10 @@ impl SamplerConfig {
             SamplerKind::NumpyLegacy => self.check_seed(0..1 << 32, "0 and 2^32-1"),
             SamplerKind::NumpyGenerator => self.check_seed(0..1 << 64, "0 and 2^64-1"),
             SamplerKind::List => self.check_list(len),
-            SamplerKind::Sequential | SamplerKind::Feed | SamplerKind::None => Ok(()),
+            SamplerKind::Sequential
+            | SamplerKind::Feed
+            | SamplerKind::None
+            | SamplerKind::Auto => Ok(()),
         }
     }
 
@@ -337,7 +385,7 @@ impl SamplerConfig {
             SamplerKind::TorchRandom => torch::Random {
                 n: len,
                 seed: torch_seed(self.seed),
-                loader_generator: self.generator == GeneratorSource::Loader,
+                generator: self.generator,
                 persistent_workers: self.persistent_workers,
                 version: self.torch_version,
             }
@@ -347,7 +395,7 @@ impl SamplerConfig {
             SamplerKind::Sequential => (0..len).map(|i| i as u32).collect(),
             SamplerKind::List => self.order_list.as_deref().cloned().unwrap_or_default(),
             // Announced orders are the plan's (plan::Feed), in files rather than indices.
-            SamplerKind::Feed | SamplerKind::None => Vec::new(),
+            SamplerKind::Feed | SamplerKind::None | SamplerKind::Auto => Vec::new(),
         })
     }
 
@@ -372,6 +420,27 @@ impl SamplerConfig {
         }
         Ok(torch_seed(sum))
     }
+}
+
+/// Ranks as `--ranks` takes them: runs of consecutive ranks as `a-b`, joined by commas.
+fn rank_list(ranks: &[u32]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        while i + 1 < sorted.len() && sorted[i + 1] == sorted[i] + 1 {
+            i += 1;
+        }
+        runs.push(if sorted[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", sorted[i])
+        });
+        i += 1;
+    }
+    runs.join(",")
 }
 
 /// A (validated) torch seed as `manual_seed` stores it: the Python int mod 2^64.

@@ -8,6 +8,7 @@
 //! reading an `--order-file`. Orders are computed one epoch at a time, never for a whole run.
 
 mod config;
+pub mod detect;
 mod error;
 mod mt19937;
 mod numpy;

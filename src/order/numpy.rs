@@ -130,6 +130,27 @@ impl<B: BitSource + Clone> Checkpoints<B> {
 static LEGACY: Checkpoints<Mt19937> = Checkpoints::new();
 static GENERATOR: Checkpoints<Pcg64> = Checkpoints::new();
 
+/// The two numpy streams, for the search of `--sampler auto`, which tries many seeds once each
+/// (the checkpoints would only churn).
+#[derive(Clone, Copy)]
+pub enum Stream {
+    Legacy,
+    Generator,
+}
+
+impl Stream {
+    /// The first `permutation(n)` of a stream seeded with `seed`, into `out` (reused).
+    pub fn first_permutation(self, seed: u64, n: u64, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(0..n as u32);
+        let swap = |i: usize, j: usize| out.swap(i, j);
+        match self {
+            Stream::Legacy => shuffle_draws(&mut Mt19937::new(seed as u32), n, swap),
+            Stream::Generator => shuffle_draws(&mut Pcg64::from_seed(seed), n, swap),
+        }
+    }
+}
+
 /// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`.
 pub fn legacy_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
     LEGACY.nth_permutation(u64::from(seed), n, epoch, || Mt19937::new(seed))

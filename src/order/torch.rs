@@ -1,7 +1,7 @@
 //! torch's CPU `randperm` and the two samplers built on it: `DistributedSampler` and
 //! `RandomSampler` (what `DataLoader(shuffle=True)` uses).
 
-use super::TorchVersion;
+use super::{GeneratorSource, TorchVersion};
 use super::mt19937::Mt19937;
 
 /// From torch 2.6 on, `randperm` switches to 64-bit draws for `n >= u32::MAX / 20`.
@@ -115,9 +115,7 @@ impl Distributed {
 pub struct Random {
     pub n: u64,
     pub seed: u64,
-    /// `DataLoader(generator=torch.Generator().manual_seed(seed))`; otherwise the global RNG
-    /// after `torch.manual_seed(seed)`.
-    pub loader_generator: bool,
+    pub generator: GeneratorSource,
     pub persistent_workers: bool,
     pub version: TorchVersion,
 }
@@ -134,10 +132,14 @@ impl Random {
             2 * (e + 1)
         };
         let mut g = generator(self.seed);
-        if self.loader_generator {
-            // Each epoch: randperm for the order, then one more whose result is discarded
-            // when the sampler is exhausted.
-            let per_epoch = 2 * u128::from(randperm_draws(self.n, self.version));
+        // Each epoch: randperm for the order, then one more whose result is discarded when
+        // the sampler is exhausted.
+        let per_epoch = 2 * u128::from(randperm_draws(self.n, self.version));
+        if self.generator == GeneratorSource::Sampler {
+            // The loader's base seeds come from the global generator.
+            g.discard(e * per_epoch);
+            randperm(self.n, &mut g, self.version)
+        } else if self.generator == GeneratorSource::Loader {
             g.discard(base_seed_draws + e * per_epoch);
             randperm(self.n, &mut g, self.version)
         } else {

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
@@ -40,6 +40,12 @@ const MAX_FED_EPOCH_LEN: u64 = 1 << 28;
 /// and the stager look at (12 bytes per sample each, so this bounds the plan's memory).
 const CACHED_EPOCHS: usize = 2;
 
+/// An order and its first epoch's plan, computed and ready for [`Plan::adopt`].
+pub struct Prepared {
+    order: Arc<Order>,
+    plan: EpochPlan,
+}
+
 /// Epoch plans in memory, and the epochs some thread is computing right now.
 #[derive(Default)]
 struct Epochs {
@@ -56,6 +62,8 @@ impl Epochs {
 /// One epoch of the node stream, with its inverse.
 pub struct EpochPlan {
     pub epoch: u64,
+    /// The [`Order`] it was computed for ([`Plan::adopt`] replaces it).
+    generation: u64,
     /// The announcement it was built from ([`Feed::version_of`]; 0 for a computed order), and
     /// the epoch length then (a fed stream is cut to it).
     built_from: u64,
@@ -92,6 +100,7 @@ impl EpochPlan {
         }
         EpochPlan {
             epoch,
+            generation: 0,
             built_from,
             built_len,
             stream,
@@ -134,10 +143,38 @@ impl EpochPlan {
     }
 }
 
+/// How a prediction came about, for the statistics and the messages about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provenance {
+    /// The mount's flags.
+    Configured,
+    /// `--sampler auto` found it from the job's first opens.
+    Detected,
+    /// The job announces its order (`--sampler feed`, or an auto mount the hook talks to).
+    Announced,
+}
+
+/// What is predicted: the sampler and the node's ranks.
+#[derive(Clone, Debug)]
+pub struct Order {
+    pub sampler: SamplerConfig,
+    pub ranks: Vec<u32>,
+    pub provenance: Provenance,
+}
+
+impl Order {
+    /// The flags that name this prediction on a mount's command line.
+    pub fn flags(&self, epoch: u64) -> String {
+        self.sampler.flags(&self.ranks, epoch)
+    }
+}
+
 /// The whole prediction: sampler settings, local ranks and layout, producing epoch plans.
 pub struct Plan {
-    sampler: SamplerConfig,
-    ranks: Vec<u32>,
+    /// Replaced as a whole when `--sampler auto` finds the job's order or the job starts
+    /// announcing it; `generation` counts the replacements.
+    order: RwLock<Arc<Order>>,
+    generation: AtomicU64,
     layout: Arc<Layout>,
     /// Number of catalog entries (file ids are below this).
     id_space: usize,
@@ -145,8 +182,8 @@ pub struct Plan {
     /// 0 until the first announcement, then grown (under the stager's lock, which moves the
     /// tracker to the new coordinates) when an announcement would not fit.
     epoch_len: AtomicU64,
-    /// `--sampler feed`: what the job announced.
-    feed: Option<Feed>,
+    /// What the job announced (used while the sampler is `feed`).
+    feed: Feed,
     epochs: Mutex<Epochs>,
     /// Signalled when an epoch finishes building.
     built: Condvar,
@@ -162,26 +199,93 @@ impl Plan {
         sampler.validate(layout.len() as u64, &ranks)?;
         let fed = sampler.kind == SamplerKind::Feed;
         let plan = Plan {
-            sampler,
-            ranks,
+            order: RwLock::new(Arc::new(Order {
+                sampler,
+                ranks,
+                provenance: if fed {
+                    Provenance::Announced
+                } else {
+                    Provenance::Configured
+                },
+            })),
+            generation: AtomicU64::new(0),
             layout,
             id_space,
             epoch_len: AtomicU64::new(0),
-            feed: fed.then(Feed::default),
+            feed: Feed::default(),
             epochs: Mutex::new(Epochs::default()),
             built: Condvar::new(),
         };
         // Samplers that give every rank the same order yield one stream per node, the
         // distributed one a merge of the local ranks: the first epoch says which.
-        if plan.sampler.predicts() && !fed {
+        if plan.sampler().predicts() && !fed {
             let len = plan.epoch(0).len();
             plan.epoch_len.store(len, Ordering::SeqCst);
         }
         Ok(plan)
     }
 
+    /// Computes, off any lock, what [`adopt`](Self::adopt) switches to: `order` and its plan
+    /// of `epoch`.
+    pub fn prepare(&self, order: Order, epoch: u64) -> Result<Prepared, OrderError> {
+        order.sampler.validate(self.layout.len() as u64, &order.ranks)?;
+        order
+            .sampler
+            .check_epoch_reachable(self.layout.len() as u64, epoch)?;
+        let stream = self.stream_of(&order, epoch);
+        if stream.is_empty() {
+            return Err(OrderError::EmptyDataset);
+        }
+        let len = stream.len() as u64;
+        let plan = EpochPlan::build(epoch, (0, len), stream, self.id_space);
+        Ok(Prepared {
+            order: Arc::new(order),
+            plan,
+        })
+    }
+
+    /// Switches to a prepared order. Positions then mean other places: the caller (holding
+    /// the stager's lock) moves the tracker before anyone uses one.
+    pub fn adopt(&self, prepared: Prepared) {
+        let Prepared { order, mut plan } = prepared;
+        let mut epochs = self.epochs.lock();
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        plan.generation = generation;
+        epochs.recent.clear();
+        epochs.recent.push_back(Arc::new(plan));
+        let len = if order.sampler.kind == SamplerKind::Feed {
+            // A fed order's length comes with its announcements.
+            0
+        } else {
+            epochs.recent[0].len()
+        };
+        *self.order.write() = order;
+        self.epoch_len.store(len, Ordering::SeqCst);
+        drop(epochs);
+        self.built.notify_all();
+    }
+
+    /// Follows the job's announcements from now on (an `auto` mount the feed hook talks to).
+    /// Nothing is predicted until the first one.
+    pub fn follow_announcements(&self) {
+        let mut epochs = self.epochs.lock();
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        epochs.recent.clear();
+        *self.order.write() = Arc::new(Order {
+            sampler: SamplerConfig::new(SamplerKind::Feed),
+            ranks: vec![0],
+            provenance: Provenance::Announced,
+        });
+        self.epoch_len.store(0, Ordering::SeqCst);
+    }
+
+    /// The prediction now in force.
+    pub fn order(&self) -> Arc<Order> {
+        self.order.read().clone()
+    }
+
     pub fn predicts(&self) -> bool {
-        self.sampler.predicts() && self.epoch_len() > 0
+        self.sampler().predicts() && self.epoch_len() > 0
     }
 
     /// Positions per epoch on this node (all local ranks together).
@@ -191,25 +295,26 @@ impl Plan {
 
     /// Whether the order is the job's announcements (`--sampler feed`).
     pub fn is_fed(&self) -> bool {
-        self.feed.is_some()
+        self.sampler().kind == SamplerKind::Feed
     }
 
     /// Ranks that announced `epoch` (none unless fed).
     pub fn fed_ranks(&self, epoch: u64) -> Vec<u32> {
-        self.feed
-            .as_ref()
-            .map(|f| f.ranks(epoch))
-            .unwrap_or_default()
+        if self.is_fed() {
+            self.feed.ranks(epoch)
+        } else {
+            Vec::new()
+        }
     }
 
     /// Takes what `rank` announced it reads in `epoch`. Returns whether the epoch length grew
     /// to fit it: positions then mean other places, and the caller (holding the stager's lock)
     /// must move the tracker to the new coordinates before anyone uses one.
     pub fn announce(&self, epoch: u64, rank: u32, files: Arc<[FileId]>) -> Result<bool, FeedError> {
-        let Some(feed) = &self.feed else {
+        if !self.is_fed() {
             return Ok(false);
-        };
-        let len = feed.announce(epoch, rank, files)?;
+        }
+        let len = self.feed.announce(epoch, rank, files)?;
         if len <= self.epoch_len() {
             return Ok(false);
         }
@@ -233,18 +338,21 @@ impl Plan {
 
     /// The announcement version `plan` must have been built from to be current.
     fn is_current(&self, plan: &EpochPlan) -> bool {
+        if plan.generation != self.generation.load(Ordering::SeqCst) {
+            return false;
+        }
         // The version is published before a grown length: a plan built in between is cut short.
-        self.feed.as_ref().is_none_or(|f| {
-            plan.built_from >= f.version_of(plan.epoch) && plan.built_len == self.epoch_len()
-        })
+        !self.is_fed()
+            || (plan.built_from >= self.feed.version_of(plan.epoch)
+                && plan.built_len == self.epoch_len())
     }
 
-    pub fn sampler(&self) -> &SamplerConfig {
-        &self.sampler
+    pub fn sampler(&self) -> SamplerConfig {
+        self.order.read().sampler.clone()
     }
 
-    pub fn ranks(&self) -> &[u32] {
-        &self.ranks
+    pub fn ranks(&self) -> Vec<u32> {
+        self.order.read().ranks.clone()
     }
 
     /// How sample indices map to files (what a fed order of indices goes through).
@@ -268,7 +376,7 @@ impl Plan {
                 epoch_len: self.epoch_len(),
             });
         }
-        self.sampler
+        self.sampler()
             .check_epoch_reachable(self.layout.len() as u64, epoch)
     }
 
@@ -293,6 +401,13 @@ impl Plan {
         let plan = Arc::new(self.compute(epoch));
         let mut epochs = self.epochs.lock();
         epochs.building.retain(|&e| e != epoch);
+        if plan.generation != self.generation.load(Ordering::SeqCst) {
+            // The order was replaced while this was computed: the caller gets what it asked
+            // for, the plans in memory stay the new order's.
+            drop(epochs);
+            self.built.notify_all();
+            return plan;
+        }
         // A stale plan stays in use until this one replaces it: the tracker keeps matching.
         epochs.recent.retain(|p| p.epoch != epoch);
         if epochs.recent.len() >= CACHED_EPOCHS {
@@ -318,16 +433,20 @@ impl Plan {
     /// Node stream of `epoch`, without the inverse index (for resynchronisation scans, which
     /// look at many epochs once).
     pub fn stream(&self, epoch: u64) -> Vec<MaybeFile> {
-        if let Some(feed) = &self.feed {
-            let mut files = feed.node_stream(epoch);
+        self.stream_of(&self.order(), epoch)
+    }
+
+    fn stream_of(&self, order: &Order, epoch: u64) -> Vec<MaybeFile> {
+        if order.sampler.kind == SamplerKind::Feed {
+            let mut files = self.feed.node_stream(epoch);
             files.truncate(self.epoch_len() as usize);
             return files.into_iter().map(MaybeFile::from).collect();
         }
         // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
-        let indices = self
+        let indices = order
             .sampler
-            .node_order(self.layout.len() as u64, epoch, &self.ranks)
+            .node_order(self.layout.len() as u64, epoch, &order.ranks)
             .unwrap_or_else(|e| {
                 log::error!(
                     "cannot predict epoch {epoch}: {e}; its files are cached as they are read"
@@ -347,10 +466,13 @@ impl Plan {
 
     fn compute(&self, epoch: u64) -> EpochPlan {
         let started = std::time::Instant::now();
-        // Read before the stream: an announcement racing with this makes the plan stale.
-        let version = self.feed.as_ref().map_or(0, |f| f.version_of(epoch));
+        // Read before the stream: an announcement or a new order racing with this makes the
+        // plan stale.
+        let generation = self.generation.load(Ordering::SeqCst);
+        let version = self.feed.version_of(epoch);
         let len = self.epoch_len();
-        let plan = EpochPlan::build(epoch, (version, len), self.stream(epoch), self.id_space);
+        let mut plan = EpochPlan::build(epoch, (version, len), self.stream(epoch), self.id_space);
+        plan.generation = generation;
         log::debug!(
             "planned epoch {epoch}: {} positions in {:.1?}",
             plan.len(),

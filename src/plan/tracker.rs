@@ -176,6 +176,14 @@ impl Tracker {
         }
     }
 
+    /// Stops predicting until the next [`reposition`](Self::reposition): the plan's order was
+    /// replaced by one that predicts nothing yet.
+    pub fn stop_predicting(&mut self) {
+        self.mode = TrackerMode::OnDemand;
+        self.recent.clear();
+        self.recent_misses = 0;
+    }
+
     fn remember(&mut self, file: FileId, matched: bool) {
         if self.recent.len() == self.settings.recent
             && let Some((_, was_matched)) = self.recent.pop_front()

@@ -17,6 +17,7 @@
 
 mod backoff;
 mod copy;
+mod detection;
 mod eviction;
 mod frontier;
 mod open;
@@ -40,9 +41,12 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::cache::CacheDir;
 use crate::catalog::{Catalog, FileId};
-use crate::plan::{Plan, Position, Tracker, TrackerMode, TrackerSettings};
+use crate::order::SamplerKind;
+use crate::plan::{Plan, Position, Provenance, Tracker, TrackerMode, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use backoff::Backoff;
+use detection::Detector;
+pub use detection::{DetectionState, JobRank};
 pub use source::{LocalSource, Source, SourceError, SourceRoot};
 use space::Space;
 use unverified::Unverified;
@@ -176,6 +180,8 @@ struct Inner {
     counters: Arc<Counters>,
     state: Mutex<State>,
     work: Condvar,
+    /// `--sampler auto` before it has found the order.
+    detector: Option<Detector>,
     /// Wakes the planner thread (see [`Inner::planner`]).
     plan_wanted: Condvar,
     /// Thread ids of the copy threads, which open SOURCE files: an open from one of them
@@ -248,7 +254,10 @@ impl Stager {
                 state.space.used
             );
         }
+        let detector = (plan.sampler().kind == SamplerKind::Auto)
+            .then(|| Detector::new(plan.layout(), catalog.len()));
         let inner = Arc::new(Inner {
+            detector,
             catalog,
             source,
             cache,
@@ -284,6 +293,17 @@ impl Stager {
     /// A reader opens `file`; `reply` is called exactly once, possibly from another thread.
     pub fn open(&self, file: FileId, reply: OpenCallback) {
         self.inner.open(file, reply);
+    }
+
+    /// Whether opens are wanted with the rank that made them (`--sampler auto` is looking
+    /// for the order): the FUSE layer then reads the opener's environment.
+    pub fn wants_job_ranks(&self) -> bool {
+        self.inner.detector.as_ref().is_some_and(Detector::is_active)
+    }
+
+    /// Rank `rank` of the job opened `file` (see [`wants_job_ranks`](Self::wants_job_ranks)).
+    pub fn observe_open(&self, file: FileId, rank: JobRank) {
+        self.inner.observe_open(file, rank);
     }
 
     /// Whether thread `tid` is one of the copy threads.
@@ -336,7 +356,19 @@ impl Stager {
     ) -> Result<(), AnnounceError> {
         let plan = &self.inner.plan;
         if !plan.is_fed() {
-            return Err(AnnounceError::NotFed(plan.sampler().kind));
+            // An announced order takes precedence over a detected or awaited one.
+            let order = plan.order();
+            if order.sampler.kind != SamplerKind::Auto && order.provenance != Provenance::Detected
+            {
+                return Err(AnnounceError::NotFed(order.sampler.kind));
+            }
+            if let Some(detector) = &self.inner.detector {
+                detector.announced();
+            }
+            let mut st = self.inner.state.lock();
+            plan.follow_announcements();
+            st.tracker.stop_predicting();
+            log::warn!("the job announces its order: following it instead of {}", order.flags(0));
         }
         let count = files.len();
         // Converted (a copy of up to millions of ids) before the lock is taken.
@@ -382,6 +414,8 @@ impl Stager {
             epoch_len: self.inner.plan.epoch_len(),
             frontier: st.frontier.saturating_sub(st.tracker.cursor()),
             announced_ranks: self.inner.plan.fed_ranks(epoch),
+            sampler: self.inner.plan.sampler().kind.to_string(),
+            prediction: self.inner.prediction(epoch),
             mode: match st.tracker.mode() {
                 TrackerMode::Predicting => "predicting",
                 TrackerMode::Lost => "lost",
@@ -410,6 +444,26 @@ impl Drop for Stager {
 }
 
 impl Inner {
+    /// What is predicted and where it came from, in words (the statistics' `prediction`).
+    fn prediction(&self, epoch: u64) -> String {
+        let order = self.plan.order();
+        match (order.provenance, order.sampler.kind) {
+            (Provenance::Announced, _) => "announced by the job".into(),
+            (_, SamplerKind::None) => "none (on demand)".into(),
+            (_, SamplerKind::Auto) => match self.detector.as_ref().map(Detector::state) {
+                Some(DetectionState::NotFound { opens }) => {
+                    format!("auto: not found from the first {opens} opens (on demand)")
+                }
+                Some(DetectionState::Searching { opens }) => {
+                    format!("auto: searching ({opens} opens so far, on demand)")
+                }
+                _ => "auto".into(),
+            },
+            (Provenance::Detected, _) => format!("detected: {}", order.flags(epoch)),
+            (Provenance::Configured, _) => format!("configured: {}", order.flags(epoch)),
+        }
+    }
+
     fn size_of(&self, file: FileId) -> u64 {
         self.catalog.entry(file).map_or(0, |e| e.size)
     }

@@ -258,9 +258,10 @@ mod tests {
         Counters::add(&c.hits, 3);
         let g = Gauges {
             mode: "lost",
+            sampler: "list".into(),
             ..Gauges::default()
         };
-        let s = Snapshot::take(&c, g, "list".into(), false, Instant::now());
+        let s = Snapshot::take(&c, g, false, Instant::now());
         let text = render(&s, Path::new("/data/a\"b\\c\nd"));
         let labels = r#"source="/data/a\"b\\c\nd",sampler="list""#;
         assert!(

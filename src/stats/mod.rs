@@ -53,6 +53,10 @@ pub struct Gauges {
     pub mode: &'static str,
     /// `--sampler feed`: the ranks that announced the reader's epoch.
     pub announced_ranks: Vec<u32>,
+    /// The sampler predicted now (`auto` until it is found).
+    pub sampler: String,
+    /// What is predicted and where it came from, as mount flags where there are some.
+    pub prediction: String,
 }
 
 /// Everything a user may ask about a mount, under stable names (the xattr and JSON keys, in
@@ -94,6 +98,10 @@ pub struct Snapshot {
     /// `predicting`, `lost` (resyncing after unpredicted opens) or `on-demand`.
     pub mode: String,
     pub sampler: String,
+    /// What is predicted and where it came from: `configured: FLAGS`, `detected: FLAGS`
+    /// (what `--sampler auto` found), `announced by the job`, `auto: searching ...`.
+    #[serde(default)]
+    pub prediction: String,
     /// `--sampler feed`: the ranks whose announcements the reader's epoch follows (where the
     /// order came from); empty for a computed order.
     #[serde(default)]
@@ -107,7 +115,6 @@ impl Snapshot {
     pub fn take(
         c: &Counters,
         g: Gauges,
-        sampler: String,
         passthrough: bool,
         started: Instant,
     ) -> Snapshot {
@@ -140,7 +147,8 @@ impl Snapshot {
             epoch_len: g.epoch_len,
             frontier: g.frontier,
             mode: g.mode.to_string(),
-            sampler,
+            sampler: g.sampler,
+            prediction: g.prediction,
             announced_ranks: g.announced_ranks,
             passthrough,
             uptime_seconds: started.elapsed().as_secs_f64(),

@@ -1,0 +1,454 @@
+//! Finding the sampler and seed that produce a job's first opens (`--sampler auto`).
+//!
+//! A loader's first reads of an epoch are the first positions of its order, reordered only by
+//! the loader's workers: every index among a rank's first `k` opens lies among the first `m`
+//! positions of the right order, for `m` a few times the samples in flight. For a wrong seed
+//! each index does so with probability `m / n` only, so requiring nine in ten of them is
+//! beyond chance once `m <= n / 4` (checked below), and the search can stop at the first
+//! candidate that passes.
+//!
+//! The first `m` positions of a torch permutation need about `m` draws of a sparse
+//! Fisher-Yates, so tens of thousands of torch seeds take well under a second. numpy shuffles
+//! from the end, so each numpy seed costs a whole permutation: fewer are tried, within a
+//! budget of draws, after the torch candidates.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use super::mt19937::Mt19937;
+use super::{GeneratorSource, SamplerConfig, SamplerKind, numpy};
+
+/// Seeds tried for every sampler before the plain range: what papers, tutorials and
+/// frameworks write (Lightning's `seed_everything` default is 0; HF's `TrainingArguments`
+/// seed is 42; 3407 from "torch.manual_seed(3407) is all you need").
+const USUAL_SEEDS: [u64; 14] = [
+    0, 42, 1, 1234, 3407, 2024, 2025, 2026, 1337, 12345, 123456, 31337, 2023, 7,
+];
+/// torch seeds tried: every seed below this (plus [`USUAL_SEEDS`]). DistributedSampler seeds
+/// with `seed + epoch`, so this also covers resumed jobs with a small seed.
+const TORCH_SEEDS: u64 = 1 << 16;
+/// Epochs a resumed DistributedSampler job with a usual seed beyond [`TORCH_SEEDS`] may be at.
+const RESUMED_EPOCHS: u64 = 256;
+/// 32-bit draws the numpy search may make: about 2 s at ~7 ns a draw. For ImageNet's 1.28 M
+/// samples that is ~200 seeds; for 10,000 samples, all of [`TORCH_SEEDS`].
+const NUMPY_BUDGET_DRAWS: u64 = 300_000_000;
+/// Positions of the order the first opens are looked for in: a DataLoader with 8 workers and
+/// batches of 256 starts reading at positions 0, 256, ..., 1792 at once.
+const MAX_PREFIX: u64 = 8192;
+/// Fewest opens of one rank to judge from: with fewer, chance matches get likely.
+pub const MIN_OPENS: usize = 32;
+/// Opens of one rank judged at most.
+const MAX_OPENS: usize = 256;
+/// Share of the opens a candidate must place among its first positions.
+const REQUIRED_SHARE: f64 = 0.9;
+/// The first positions of a candidate checked before the others: one of them must be among
+/// the opens (worker 0 reads position 0 first), which rejects almost every wrong seed cheaply.
+const QUICK_POSITIONS: u64 = 4;
+
+/// What the first opens of one rank were, as sample indices in open order.
+#[derive(Clone, Debug)]
+pub struct RankOpens {
+    pub rank: u32,
+    pub indices: Vec<u32>,
+}
+
+/// A configuration that produces the observed opens, and the epoch they were read in.
+#[derive(Clone, Debug)]
+pub struct Detection {
+    pub sampler: SamplerConfig,
+    pub epoch: u64,
+}
+
+/// Looks for the sampler, seed and epoch whose order starts with the observed opens of a
+/// dataset of `len` samples read by `world_size` ranks (the job's `WORLD_SIZE`; 1 when it has
+/// none). `None` when no candidate explains them, or when the dataset is too small for a
+/// match to mean anything.
+pub fn detect(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detection> {
+    let judged = Judge::new(len, world_size, opens)?;
+    judged
+        .torch_distributed()
+        .or_else(|| judged.torch_random())
+        .or_else(|| judged.numpy())
+}
+
+/// The observed opens, and how candidates are judged against them.
+struct Judge<'a> {
+    len: u64,
+    world_size: u32,
+    /// The rank with the most opens, which the search runs on.
+    main: Prefix,
+    /// The ranks a candidate is verified on once it passes on `main`.
+    all: &'a [RankOpens],
+}
+
+/// One rank's opens as a lookup set, and how many of the candidate's first positions to
+/// search them in.
+struct Prefix {
+    rank: u32,
+    opens: Vec<u32>,
+    positions: u64,
+}
+
+impl Prefix {
+    /// `None` when `samples` (what the rank reads per epoch) is too small for its first
+    /// positions to be told apart from chance.
+    fn new(rank: &RankOpens, samples: u64) -> Option<Prefix> {
+        let positions = (samples / 4).min(MAX_PREFIX);
+        // The opens judged must all come from the first positions, whatever the loader's
+        // reordering: a quarter of them leaves room for the samples in flight.
+        let count = (positions as usize / 4).clamp(MIN_OPENS, MAX_OPENS);
+        if rank.indices.len() < MIN_OPENS || (positions as usize) < 2 * MIN_OPENS {
+            return None;
+        }
+        let mut opens: Vec<u32> = rank.indices.iter().copied().take(count).collect();
+        opens.sort_unstable();
+        opens.dedup();
+        Some(Prefix {
+            rank: rank.rank,
+            opens,
+            positions,
+        })
+    }
+
+    fn contains(&self, index: u32) -> bool {
+        self.opens.binary_search(&index).is_ok()
+    }
+
+    /// Whether the order `order` yields (lazily, position by position) starts with these
+    /// opens. Gives up after [`QUICK_POSITIONS`] if none of those is among them.
+    fn matches(&self, mut order: impl FnMut() -> Option<u32>) -> bool {
+        let needed = (self.opens.len() as f64 * REQUIRED_SHARE).ceil() as usize;
+        let mut found = 0;
+        for position in 0..self.positions {
+            let Some(index) = order() else { break };
+            if self.contains(index) {
+                found += 1;
+                if found >= needed {
+                    return true;
+                }
+            }
+            if position + 1 == QUICK_POSITIONS && found == 0 {
+                return false;
+            }
+        }
+        false
+    }
+}
+
+impl<'a> Judge<'a> {
+    fn new(len: u64, world_size: u32, all: &'a [RankOpens]) -> Option<Judge<'a>> {
+        let busiest = all.iter().max_by_key(|r| r.indices.len())?;
+        // Every sampler but DistributedSampler gives each rank the whole order.
+        let main = Prefix::new(busiest, len)?;
+        Some(Judge {
+            len,
+            world_size: world_size.max(1),
+            main,
+            all,
+        })
+    }
+
+    /// The other ranks' opens, for verification against a candidate that passed on `main`.
+    fn others(&self) -> impl Iterator<Item = &RankOpens> {
+        self.all.iter().filter(|r| r.rank != self.main.rank)
+    }
+
+    /// `DistributedSampler(shuffle=True)`: rank r reads `randperm(n, seed + epoch)[r::world]`.
+    fn torch_distributed(&self) -> Option<Detection> {
+        if self.world_size == 1 {
+            // One replica reads `randperm(n, seed)`, which is also a RandomSampler with its own
+            // generator at epoch 0: torch_random() finds it as that, and the next epoch tells.
+            return None;
+        }
+        let samples = self.len.div_ceil(u64::from(self.world_size));
+        let main = Prefix::new(self.all.iter().find(|r| r.rank == self.main.rank)?, samples)?;
+        let fits = |rank: u32, prefix: &Prefix, seed: u64| {
+            let mut perm = SparsePermutation::new(self.len, Mt19937::new(seed as u32));
+            let stride = u64::from(self.world_size);
+            let mut next = u64::from(rank);
+            prefix.matches(|| {
+                let index = perm.at(next);
+                next += stride;
+                index
+            })
+        };
+        let seed = distributed_seeds().find(|&s| fits(main.rank, &main, s))?;
+        let verified = self.others().all(|r| {
+            r.rank >= self.world_size
+                || Prefix::new(r, samples).is_none_or(|p| fits(r.rank, &p, seed))
+        });
+        if !verified {
+            log::info!(
+                "detection: seed {seed} fits rank {} but not the others",
+                main.rank
+            );
+            return None;
+        }
+        let (seed, epoch) = split_seed_and_epoch(seed);
+        let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+        sampler.seed = i128::from(seed);
+        sampler.world_size = self.world_size;
+        Some(Detection { sampler, epoch })
+    }
+
+    /// `RandomSampler` at epoch 0, drawing from a `DataLoader(generator=g)`, from its own
+    /// `RandomSampler(generator=g)`, or from the global generator after `torch.manual_seed`.
+    fn torch_random(&self) -> Option<Detection> {
+        for seed in USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS) {
+            let fresh = Mt19937::new(seed as u32);
+            // The loader draws its base seed (one random64) before the sampler's randperm.
+            let candidates = [
+                (GeneratorSource::Sampler, fresh.clone(), 0),
+                (GeneratorSource::Loader, fresh.clone(), 2),
+            ];
+            for (generator, mut g, skip) in candidates {
+                g.discard(skip);
+                if self.fits_everywhere(|| SparsePermutation::new(self.len, g.clone())) {
+                    return Some(self.random(generator, seed));
+                }
+            }
+            // Global: after the base seed, the sampler draws a random64 whose low half seeds
+            // its private generator.
+            let mut global = fresh;
+            global.discard(3);
+            let private = Mt19937::new(global.next_u32());
+            if self.fits_everywhere(|| SparsePermutation::new(self.len, private.clone())) {
+                return Some(self.random(GeneratorSource::Global, seed));
+            }
+        }
+        None
+    }
+
+    fn random(&self, generator: GeneratorSource, seed: u64) -> Detection {
+        let mut sampler = SamplerConfig::new(SamplerKind::TorchRandom);
+        sampler.seed = i128::from(seed);
+        sampler.generator = generator;
+        sampler.world_size = self.world_size;
+        Detection { sampler, epoch: 0 }
+    }
+
+    /// Whether a permutation every rank reads whole starts with every rank's opens.
+    fn fits_everywhere(&self, fresh: impl Fn() -> SparsePermutation) -> bool {
+        let fits = |prefix: &Prefix| {
+            let mut perm = fresh();
+            let mut next = 0;
+            prefix.matches(|| {
+                let index = perm.at(next);
+                next += 1;
+                index
+            })
+        };
+        fits(&self.main)
+            && self
+                .others()
+                .all(|r| Prefix::new(r, self.len).is_none_or(|p| fits(&p)))
+    }
+
+    /// numpy's legacy `RandomState` and `default_rng` permutations at epoch 0 (the in-place
+    /// shuffle idiom reads the same first epoch), within [`NUMPY_BUDGET_DRAWS`].
+    fn numpy(&self) -> Option<Detection> {
+        let seeds = (NUMPY_BUDGET_DRAWS / (2 * self.len.max(1))).max(USUAL_SEEDS.len() as u64);
+        let mut order = Vec::new();
+        for seed in USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS).take(seeds as usize) {
+            let kinds = [
+                (SamplerKind::NumpyLegacy, numpy::Stream::Legacy),
+                (SamplerKind::NumpyGenerator, numpy::Stream::Generator),
+            ];
+            for (kind, stream) in kinds {
+                stream.first_permutation(seed, self.len, &mut order);
+                let fits = |prefix: &Prefix| {
+                    let mut it = order.iter().copied();
+                    prefix.matches(|| it.next())
+                };
+                let verified = fits(&self.main)
+                    && self
+                        .others()
+                        .all(|r| Prefix::new(r, self.len).is_none_or(|p| fits(&p)));
+                if verified {
+                    let mut sampler = SamplerConfig::new(kind);
+                    sampler.seed = i128::from(seed);
+                    sampler.world_size = self.world_size;
+                    return Some(Detection { sampler, epoch: 0 });
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Generator seeds (`seed + epoch`) a DistributedSampler may use, most likely first.
+fn distributed_seeds() -> impl Iterator<Item = u64> {
+    let resumed_usual = USUAL_SEEDS
+        .into_iter()
+        .filter(|&s| s >= TORCH_SEEDS)
+        .flat_map(|s| s..s + RESUMED_EPOCHS);
+    USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS).chain(resumed_usual)
+}
+
+/// Epochs a resumed job is taken to be at when its generator seed is a usual seed plus a few.
+const LIKELY_EPOCHS: u64 = 16;
+
+/// DistributedSampler's orders depend on `seed + epoch` only, so a generator seed `g` is as
+/// well seed `g` at epoch 0 as seed 0 at epoch `g`: both predict the same. Reported as the
+/// usual seed it is a few epochs past, if any (seed 42 at epoch 3 rather than seed 45).
+fn split_seed_and_epoch(g: u64) -> (u64, u64) {
+    USUAL_SEEDS
+        .into_iter()
+        .find(|&s| g >= s && g - s < LIKELY_EPOCHS)
+        .map_or((g, 0), |s| (s, g - s))
+}
+
+/// A multiplicative hash for the sparse permutation's integer keys (SipHash would dominate
+/// the search's cost).
+#[derive(Default)]
+struct IndexHasher(u64);
+
+impl Hasher for IndexHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, k: u64) {
+        self.0 = k.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// torch's classic `randperm(n)` (forward Fisher-Yates, `swap(a[i], a[i + draw % (n - i)])`)
+/// computed only as far as asked: position `i` is final after step `i`, and only the
+/// displaced entries are stored.
+struct SparsePermutation {
+    n: u64,
+    steps_done: u64,
+    g: Mt19937,
+    displaced: HashMap<u64, u32, BuildHasherDefault<IndexHasher>>,
+}
+
+impl SparsePermutation {
+    fn new(n: u64, g: Mt19937) -> SparsePermutation {
+        SparsePermutation {
+            n,
+            steps_done: 0,
+            g,
+            displaced: HashMap::default(),
+        }
+    }
+
+    fn value(&self, i: u64) -> u32 {
+        self.displaced.get(&i).copied().unwrap_or(i as u32)
+    }
+
+    /// The permutation's value at `position`; `None` past its end.
+    fn at(&mut self, position: u64) -> Option<u32> {
+        if position >= self.n {
+            return None;
+        }
+        // The last position takes no draw: it holds what is left.
+        while self.steps_done <= position && self.steps_done + 1 < self.n {
+            let i = self.steps_done;
+            let z = i + u64::from(self.g.next_u32()) % (self.n - i);
+            let (vi, vz) = (self.value(i), self.value(z));
+            self.displaced.insert(z, vi);
+            self.displaced.insert(i, vz);
+            self.steps_done += 1;
+        }
+        Some(self.value(position))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first `k` indices `rank` reads, as two workers with batches of 8 open them: worker 0
+    /// reads batch 0 while worker 1 reads batch 1, and so on.
+    fn as_loader_opens(order: &[u32], k: usize) -> Vec<u32> {
+        let mut opens = Vec::new();
+        for pair in order.chunks(16) {
+            let (a, b) = pair.split_at(pair.len().min(8));
+            for i in 0..8 {
+                opens.extend(a.get(i));
+                opens.extend(b.get(i));
+            }
+        }
+        opens.truncate(k);
+        opens
+    }
+
+    fn opens_of(cfg: &SamplerConfig, len: u64, epoch: u64, rank: u32) -> RankOpens {
+        RankOpens {
+            rank,
+            indices: as_loader_opens(&cfg.epoch_order(len, epoch, rank).unwrap(), 64),
+        }
+    }
+
+    #[test]
+    fn sparse_permutation_is_randperm() {
+        let version = crate::order::TorchVersion::NEWEST;
+        for n in [1u64, 2, 10, 1000] {
+            let whole = super::super::torch::randperm(n, &mut Mt19937::new(9), version);
+            let mut sparse = SparsePermutation::new(n, Mt19937::new(9));
+            let got: Vec<u32> = (0..n).map(|i| sparse.at(i).unwrap()).collect();
+            assert_eq!(got, whole, "n={n}");
+            assert_eq!(sparse.at(n), None);
+        }
+    }
+
+    #[test]
+    fn finds_a_distributed_sampler_of_two_ranks_resumed_at_epoch_3() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchDistributed);
+        cfg.world_size = 2;
+        cfg.seed = 42;
+        let opens = [opens_of(&cfg, 5000, 3, 0), opens_of(&cfg, 5000, 3, 1)];
+        let found = detect(5000, 2, &opens).unwrap();
+        assert_eq!(found.sampler.kind, SamplerKind::TorchDistributed);
+        assert_eq!((found.sampler.seed, found.epoch), (42, 3));
+        assert_eq!(found.sampler.world_size, 2);
+    }
+
+    #[test]
+    fn finds_each_random_sampler_generator() {
+        for generator in GeneratorSource::ALL {
+            let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
+            cfg.seed = 5;
+            cfg.generator = generator;
+            let found = detect(3000, 1, &[opens_of(&cfg, 3000, 0, 0)]).unwrap();
+            assert_eq!(found.sampler.kind, SamplerKind::TorchRandom, "{generator}");
+            assert_eq!(found.sampler.generator, generator);
+            assert_eq!((found.sampler.seed, found.epoch), (5, 0));
+        }
+    }
+
+    #[test]
+    fn finds_numpy_permutations() {
+        for kind in [SamplerKind::NumpyLegacy, SamplerKind::NumpyGenerator] {
+            let mut cfg = SamplerConfig::new(kind);
+            cfg.seed = 777;
+            let found = detect(2000, 1, &[opens_of(&cfg, 2000, 0, 0)]).unwrap();
+            assert_eq!(found.sampler.kind, kind);
+            assert_eq!(found.sampler.seed, 777);
+        }
+    }
+
+    #[test]
+    fn an_unknown_order_is_not_detected() {
+        // A seed past every range searched, and a dataset too small to judge.
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
+        cfg.seed = 987_654_321;
+        assert!(detect(2000, 1, &[opens_of(&cfg, 2000, 0, 0)]).is_none());
+        assert!(detect(100, 1, &[opens_of(&cfg, 100, 0, 0)]).is_none());
+    }
+
+    #[test]
+    fn usual_seeds_absorb_small_epochs() {
+        assert_eq!(split_seed_and_epoch(3), (0, 3));
+        assert_eq!(split_seed_and_epoch(42), (42, 0));
+        assert_eq!(split_seed_and_epoch(45), (42, 3));
+        assert_eq!(split_seed_and_epoch(1000), (1000, 0));
+    }
+}

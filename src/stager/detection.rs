@@ -1,0 +1,273 @@
+//! `--sampler auto`: the job's first opens, per rank, searched for the order they follow
+//! ([`crate::order::detect`]) off the open path; the stager switches to what is found.
+//!
+//! Until then the mount serves on demand. Searches run at growing numbers of opens (a job may
+//! start with a few stray opens, and more opens make a match more certain); after the last
+//! one the mount stays on demand and says so. An order the job announces (the feed hook)
+//! takes precedence: it ends the detection.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+use super::Inner;
+use crate::catalog::{FileId, Layout};
+use crate::order::SamplerKind;
+use crate::order::detect::{self, Detection, RankOpens};
+use crate::plan::{Order, Provenance};
+
+/// Opens of the busiest rank at which a search runs: the first as soon as a match can mean
+/// something, the later ones for loaders that start with stray opens or many workers.
+const SEARCH_AT: [usize; 4] = [detect::MIN_OPENS * 2, 256, 1024, 4096];
+/// Opens kept per rank: enough for the last search.
+const KEPT_OPENS: usize = 4096;
+
+/// Which of the job's ranks opened a file, from the launcher's environment of the opener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JobRank {
+    pub rank: u32,
+    pub world_size: u32,
+    /// Where the node's ranks start and how many there are, when the launcher says
+    /// (`LOCAL_RANK`/`LOCAL_WORLD_SIZE` and the like).
+    pub local: Option<(u32, u32)>,
+}
+
+impl JobRank {
+    /// What an opener without a launcher's environment is: the only rank.
+    pub const ALONE: JobRank = JobRank {
+        rank: 0,
+        world_size: 1,
+        local: None,
+    };
+
+    /// The ranks of the node this rank runs on, if the launcher told.
+    fn node_ranks(&self) -> Option<Vec<u32>> {
+        let (local_rank, local_size) = self.local?;
+        let first = self.rank.checked_sub(local_rank)?;
+        let ranks: Vec<u32> = (first..first.saturating_add(local_size)).collect();
+        ranks.iter().all(|&r| r < self.world_size).then_some(ranks)
+    }
+}
+
+/// Where detection stands, for the statistics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DetectionState {
+    /// Collecting opens (this many of the busiest rank so far) or searching them.
+    Searching { opens: usize },
+    /// Found, as these flags would have said.
+    Found(String),
+    /// Nothing explains the first opens: on demand for the rest of the mount.
+    NotFound { opens: usize },
+    /// The job announces its order.
+    Announced,
+}
+
+/// The detection's state: the opens seen, and whether a search is running.
+struct Observed {
+    state: DetectionState,
+    by_rank: BTreeMap<u32, Vec<u32>>,
+    launch: JobRank,
+    searching: bool,
+    searches_done: usize,
+}
+
+pub(super) struct Detector {
+    /// Set while opens are wanted: the FUSE layer reads the opener's environment only then.
+    active: AtomicBool,
+    /// Sample index of each catalog id (`u32::MAX`: no sample).
+    index_of: Vec<u32>,
+    observed: Mutex<Observed>,
+}
+
+impl Detector {
+    pub(super) fn new(layout: &Layout, id_space: usize) -> Detector {
+        let mut index_of = vec![u32::MAX; id_space];
+        for index in 0..layout.len() as u32 {
+            if let Some(file) = layout.file_of(index)
+                && let Some(slot) = index_of.get_mut(file as usize)
+            {
+                // The first sample of a file that several samples name.
+                if *slot == u32::MAX {
+                    *slot = index;
+                }
+            }
+        }
+        Detector {
+            active: AtomicBool::new(true),
+            index_of,
+            observed: Mutex::new(Observed {
+                state: DetectionState::Searching { opens: 0 },
+                by_rank: BTreeMap::new(),
+                launch: JobRank::ALONE,
+                searching: false,
+                searches_done: 0,
+            }),
+        }
+    }
+
+    pub(super) fn is_active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn state(&self) -> DetectionState {
+        self.observed.lock().state.clone()
+    }
+
+    /// Ends the detection: the job announces its order.
+    pub(super) fn announced(&self) {
+        self.active.store(false, Ordering::SeqCst);
+        self.observed.lock().state = DetectionState::Announced;
+    }
+
+    /// Records an open; returns the opens to search if a search is due now.
+    fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>)> {
+        let index = *self.index_of.get(file as usize)?;
+        if index == u32::MAX || !self.is_active() {
+            return None;
+        }
+        let mut ob = self.observed.lock();
+        if rank.world_size > ob.launch.world_size || ob.launch.local.is_none() {
+            ob.launch = rank;
+        }
+        let opens = ob.by_rank.entry(rank.rank).or_default();
+        if opens.len() < KEPT_OPENS {
+            opens.push(index);
+        }
+        let busiest = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
+        if let DetectionState::Searching { opens } = &mut ob.state {
+            *opens = busiest;
+        }
+        let due = SEARCH_AT.get(ob.searches_done)? <= &busiest;
+        if !due || ob.searching {
+            return None;
+        }
+        ob.searching = true;
+        ob.searches_done += 1;
+        let opens = ob
+            .by_rank
+            .iter()
+            .map(|(&rank, indices)| RankOpens {
+                rank,
+                indices: indices.clone(),
+            })
+            .collect();
+        Some((ob.launch, opens))
+    }
+
+    /// A search ended without a result.
+    fn not_found(&self) {
+        let mut ob = self.observed.lock();
+        ob.searching = false;
+        if ob.searches_done == SEARCH_AT.len() && ob.state != DetectionState::Announced {
+            let opens = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
+            ob.state = DetectionState::NotFound { opens };
+            ob.by_rank.clear();
+            self.active.store(false, Ordering::SeqCst);
+            log::warn!(
+                "--sampler auto: no sampler stagefs knows explains the job's first {opens} opens; caching files as they are read. \
+                 Name the order with --sampler/--seed (`stagefs order` shows one), or let the job announce it (`eval $(stagefs feed-env)` before it starts)"
+            );
+        }
+    }
+
+    fn found(&self, flags: String) {
+        let mut ob = self.observed.lock();
+        ob.searching = false;
+        ob.by_rank.clear();
+        ob.state = DetectionState::Found(flags);
+        self.active.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Inner {
+    /// Feeds one open of `file` by `rank` to the detection; starts a search when one is due.
+    pub(super) fn observe_open(self: &Arc<Self>, file: FileId, rank: JobRank) {
+        let Some(detector) = &self.detector else {
+            return;
+        };
+        let Some((launch, opens)) = detector.observe(file, rank) else {
+            return;
+        };
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("stage-detect".into())
+            .spawn(move || inner.search(launch, opens));
+        if let Err(e) = spawned {
+            log::warn!("cannot start the order search: {e}");
+            detector.not_found();
+        }
+    }
+
+    fn search(self: Arc<Self>, launch: JobRank, opens: Vec<RankOpens>) {
+        let Some(detector) = &self.detector else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        let len = self.plan.layout().len() as u64;
+        let found = detect::detect(len, launch.world_size, &opens);
+        log::info!(
+            "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
+            opens.iter().map(|r| r.indices.len()).sum::<usize>(),
+            opens.len(),
+            started.elapsed()
+        );
+        let Some(Detection { sampler, epoch }) = found else {
+            return detector.not_found();
+        };
+        if !detector.is_active() {
+            // The job started announcing meanwhile.
+            return;
+        }
+        let ranks = match sampler.kind {
+            SamplerKind::TorchDistributed => launch
+                .node_ranks()
+                .unwrap_or_else(|| opens.iter().map(|r| r.rank).collect()),
+            // Every rank reads the same order: the node's stream is that order once.
+            _ => vec![opens.first().map_or(0, |r| r.rank)],
+        };
+        let order = Order {
+            sampler,
+            ranks,
+            provenance: Provenance::Detected,
+        };
+        let flags = order.flags(epoch);
+        match self.switch_to(order, epoch) {
+            Ok(()) => {
+                log::warn!("--sampler auto detected: {flags}; staging ahead from now on");
+                detector.found(flags);
+            }
+            Err(e) => {
+                log::warn!("--sampler auto found {flags} but cannot follow it: {e}");
+                detector.not_found();
+            }
+        }
+    }
+
+    /// Switches the prediction to `order` with the reader in `epoch`, placed where its recent
+    /// opens are in that order.
+    pub(super) fn switch_to(
+        &self,
+        order: Order,
+        epoch: u64,
+    ) -> Result<(), crate::order::OrderError> {
+        // Computed before the lock is taken: opens meanwhile go on, on demand.
+        let prepared = self.plan.prepare(order, epoch)?;
+        let recent = {
+            let st = self.state.lock();
+            self.plan.adopt(prepared);
+            st.tracker.recent_files()
+        };
+        let window = self.settings.tracker.window;
+        let pos = crate::plan::find_position(&self.plan, &recent, epoch..epoch + 1, window)
+            .unwrap_or_else(|| self.plan.join(epoch, 0));
+        self.plan.epoch(epoch + 1);
+        let mut st = self.state.lock();
+        self.reposition(&mut st, pos);
+        st.lost_reported = false;
+        drop(st);
+        self.work.notify_all();
+        Ok(())
+    }
+}
