@@ -276,6 +276,32 @@ impl<'a> Judge<'a> {
     }
 }
 
+/// Configurations that read the same first epoch as `sampler` but differ later: what the
+/// first opens cannot tell apart, tried when the next epoch's opens stop following it.
+/// `lost_epoch` is the epoch the reader seemed to be in when the opens stopped following.
+pub fn variants(sampler: &SamplerConfig) -> Vec<SamplerConfig> {
+    let mut out = Vec::new();
+    if sampler.kind == SamplerKind::TorchRandom {
+        for generator in GeneratorSource::ALL {
+            for persistent_workers in [false, true] {
+                // Persistent workers change nothing for a sampler's own generator.
+                if generator == GeneratorSource::Sampler && persistent_workers {
+                    continue;
+                }
+                let mut v = sampler.clone();
+                v.generator = generator;
+                v.persistent_workers = persistent_workers;
+                if (v.generator, v.persistent_workers)
+                    != (sampler.generator, sampler.persistent_workers)
+                {
+                    out.push(v);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Generator seeds (`seed + epoch`) a DistributedSampler may use, most likely first.
 fn distributed_seeds() -> impl Iterator<Item = u64> {
     let resumed_usual = USUAL_SEEDS

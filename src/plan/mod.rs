@@ -22,7 +22,7 @@ use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
 pub use feed::{Feed, FeedError};
-pub use tracker::{Tracker, TrackerMode, TrackerSettings, find_position};
+pub use tracker::{Tracker, TrackerMode, TrackerSettings, densest_run, find_position};
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
 /// comparable across the epoch boundary.
@@ -436,7 +436,9 @@ impl Plan {
         self.stream_of(&self.order(), epoch)
     }
 
-    fn stream_of(&self, order: &Order, epoch: u64) -> Vec<MaybeFile> {
+    /// Node stream of `epoch` under `order`, which need not be the one in force (to judge
+    /// another order against the opens before switching to it).
+    pub fn stream_of(&self, order: &Order, epoch: u64) -> Vec<MaybeFile> {
         if order.sampler.kind == SamplerKind::Feed {
             let mut files = self.feed.node_stream(epoch);
             files.truncate(self.epoch_len() as usize);

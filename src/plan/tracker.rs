@@ -15,7 +15,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::{Plan, Position};
-use crate::catalog::FileId;
+use crate::catalog::{FileId, MaybeFile};
 
 #[derive(Clone, Copy, Debug)]
 pub struct TrackerSettings {
@@ -280,30 +280,41 @@ pub fn find_position(
     if recent.is_empty() || !plan.predicts() {
         return None;
     }
-    let wanted: HashSet<FileId> = recent.iter().copied().collect();
-    let needed = (wanted.len() * 3).div_ceil(4);
     let mut best: Option<(usize, Position)> = None;
     for epoch in epochs {
-        let stream = plan.stream(epoch);
-        let hits: Vec<u64> = stream
-            .iter()
-            .enumerate()
-            .filter(|(_, f)| f.get().is_some_and(|f| wanted.contains(&f)))
-            .map(|(o, _)| o as u64)
-            .collect();
-        // Densest run of hits spanning at most one window (two-pointer sweep).
-        let mut lo = 0;
-        for hi in 0..hits.len() {
-            while hits[hi] - hits[lo] > window {
-                lo += 1;
-            }
-            let count = hi - lo + 1;
-            if count >= needed && best.is_none_or(|(c, _)| count > c) {
-                best = Some((count, plan.join(epoch, hits[hi] + 1)));
-            }
+        if let Some((count, offset)) = densest_run(&plan.stream(epoch), recent, window)
+            && best.is_none_or(|(c, _)| count > c)
+        {
+            best = Some((count, plan.join(epoch, offset)));
         }
     }
     best.map(|(_, pos)| pos)
+}
+
+/// Where in `stream` (one epoch) the most of the files of `recent` fall within one window, if
+/// at least three quarters of them do: (how many, offset just after the last of them).
+pub fn densest_run(stream: &[MaybeFile], recent: &[FileId], window: u64) -> Option<(usize, u64)> {
+    let wanted: HashSet<FileId> = recent.iter().copied().collect();
+    let needed = (wanted.len() * 3).div_ceil(4).max(1);
+    let hits: Vec<u64> = stream
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.get().is_some_and(|f| wanted.contains(&f)))
+        .map(|(o, _)| o as u64)
+        .collect();
+    // Densest run of hits spanning at most one window (two-pointer sweep).
+    let mut best: Option<(usize, u64)> = None;
+    let mut lo = 0;
+    for hi in 0..hits.len() {
+        while hits[hi] - hits[lo] > window {
+            lo += 1;
+        }
+        let count = hi - lo + 1;
+        if count >= needed && best.is_none_or(|(c, _)| count > c) {
+            best = Some((count, hits[hi] + 1));
+        }
+    }
+    best
 }
 
 #[cfg(test)]

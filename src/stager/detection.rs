@@ -20,7 +20,7 @@ use crate::plan::{Order, Provenance};
 
 /// Opens of the busiest rank at which a search runs: the first as soon as a match can mean
 /// something, the later ones for loaders that start with stray opens or many workers.
-const SEARCH_AT: [usize; 4] = [detect::MIN_OPENS * 2, 256, 1024, 4096];
+const SEARCH_AT: [usize; 4] = [detect::MIN_OPENS, 256, 1024, 4096];
 /// Opens kept per rank: enough for the last search.
 const KEPT_OPENS: usize = 4096;
 
@@ -170,6 +170,11 @@ impl Detector {
                  Name the order with --sampler/--seed (`stagefs order` shows one), or let the job announce it (`eval $(stagefs feed-env)` before it starts)"
             );
         }
+    }
+
+    /// The opens of a later epoch follow a variant of what was found.
+    pub(super) fn refined(&self, flags: String) {
+        self.observed.lock().state = DetectionState::Found(flags);
     }
 
     fn found(&self, flags: String) {

@@ -459,7 +459,10 @@ impl Inner {
                 }
                 _ => "auto".into(),
             },
-            (Provenance::Detected, _) => format!("detected: {}", order.flags(epoch)),
+            (Provenance::Detected, _) => match self.detector.as_ref().map(Detector::state) {
+                Some(DetectionState::Found(flags)) => format!("detected: {flags}"),
+                _ => format!("detected: {}", order.flags(epoch)),
+            },
             (Provenance::Configured, _) => format!("configured: {}", order.flags(epoch)),
         }
     }
