@@ -40,7 +40,7 @@ pub struct OrderArgs {
 }
 
 pub fn run(args: OrderArgs) -> anyhow::Result<()> {
-    let (cfg, ranks) = args.sampler.config()?;
+    let (cfg, ranks) = args.sampler.config(&[])?;
     if cfg.kind == crate::order::SamplerKind::Feed {
         anyhow::bail!(
             "--sampler feed has no order of its own: the job announces it as it runs (see `stagefs feed-env`)"
