@@ -107,7 +107,7 @@ pub struct SamplerArgs {
 
 /// What a mount takes whatever the sampler: the node's place in the job, which deploy scripts
 /// pass to every mount (the Slurm prolog gives each node its seed, world size and ranks).
-pub(crate) const NODE_OPTIONS: &[SamplerOption] = &[
+const NODE_OPTIONS: &[SamplerOption] = &[
     SamplerOption::Seed,
     SamplerOption::WorldSize,
     SamplerOption::Rank,
