@@ -171,11 +171,61 @@ const COMMAND_LINES: &[Case] = &[
     ),
     early(
         "mount --sampler nope",
-        "error: invalid value 'nope' for '--sampler <NAME>'\n  [possible values: torch-distributed, torch-random, numpy-legacy, numpy-generator, sequential, list, feed, none]",
+        "error: invalid value 'nope' for '--sampler <NAME>'\n  [possible values: torch-distributed, torch-random, numpy-legacy, numpy-generator, numpy-inplace, sequential, list, feed, none]",
     ),
     early(
         "mount --sampler torch-random --generator x",
-        "error: invalid value 'x' for '--generator <SOURCE>'\n  [possible values: loader, global]",
+        "error: invalid value 'x' for '--generator <SOURCE>'\n  [possible values: loader, sampler, global]",
+    ),
+    // Options the sampler does not read. A mount takes the node's seed, world size and ranks
+    // whatever the sampler (deploy scripts pass them to every mount); `stagefs order` does not.
+    early(
+        "mount --sampler numpy-legacy --generator global",
+        "stagefs: --generator does not apply to --sampler numpy-legacy (it is for torch-random): remove it, or check --sampler",
+    ),
+    early(
+        "mount --sampler torch-random --drop-last",
+        "stagefs: --drop-last does not apply to --sampler torch-random (it is for torch-distributed)",
+    ),
+    early(
+        "mount --sampler numpy-inplace --no-set-epoch",
+        "stagefs: --no-set-epoch does not apply to --sampler numpy-inplace (it is for torch-distributed)",
+    ),
+    early(
+        "mount --sampler sequential --order-file @W/o.txt",
+        "stagefs: --order-file does not apply to --sampler sequential (it is for list)",
+    ),
+    early(
+        "mount --sampler numpy-legacy --ranks 0-1",
+        "stagefs: --ranks 0-1 needs --world-size (the job's total number of ranks, DistributedSampler's num_replicas)",
+    ),
+    early(
+        "mount --rank 2",
+        "stagefs: --rank 2 needs --world-size (the job's total number of ranks",
+    ),
+    early(
+        "order --len 10 --sampler numpy-legacy --world-size 4",
+        "stagefs: --world-size does not apply to --sampler numpy-legacy (it is for torch-distributed): remove it, or check --sampler",
+    ),
+    early(
+        "order --len 10 --sampler torch-random --rank 0",
+        "stagefs: --rank does not apply to --sampler torch-random (it is for torch-distributed)",
+    ),
+    early(
+        "order --len 10 --sampler sequential --seed 0",
+        "stagefs: --seed does not apply to --sampler sequential (it is for torch-distributed, torch-random, numpy-legacy, numpy-generator, numpy-inplace)",
+    ),
+    early(
+        "order --len 10 --sampler numpy-generator --torch-version 2.6",
+        "stagefs: --torch-version does not apply to --sampler numpy-generator (it is for torch-distributed, torch-random)",
+    ),
+    early(
+        "order --len 10 --sampler torch-distributed --persistent-workers",
+        "stagefs: --persistent-workers does not apply to --sampler torch-distributed (it is for torch-random)",
+    ),
+    early(
+        "order --len 10 --ranks 0-1",
+        "stagefs: --ranks 0-1 needs --world-size (the job's total number of ranks",
     ),
     early(
         "mount --torch-version banana",

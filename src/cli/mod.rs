@@ -19,7 +19,9 @@ use clap::builder::PossibleValue;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
-use crate::order::{self, GeneratorSource, OrderError, SamplerConfig, SamplerKind, TorchVersion};
+use crate::order::{
+    self, GeneratorSource, OrderError, SamplerConfig, SamplerKind, SamplerOption, TorchVersion,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -56,7 +58,10 @@ pub enum Command {
     Demo(demo::DemoArgs),
 }
 
-/// How the job's sampler orders sample indices.
+/// How the job's sampler orders sample indices. Options left out take the loaders' defaults;
+/// an option given to a sampler that does not read it is refused (see
+/// [`SamplerKind::options`]), so the values that may be left out are `Option`s: their
+/// defaults are stated in their help.
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Prediction (the job's sampler)")]
 pub struct SamplerArgs {
@@ -65,12 +70,12 @@ pub struct SamplerArgs {
     /// for order]
     #[arg(long, value_enum, value_name = "NAME")]
     pub sampler: Option<SamplerKind>,
-    /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed)
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub seed: i128,
-    /// Number of ranks in the whole job (DistributedSampler num_replicas)
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub world_size: u32,
+    /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed) [default: 0]
+    #[arg(long, allow_negative_numbers = true)]
+    pub seed: Option<i128>,
+    /// Number of ranks in the whole job (DistributedSampler num_replicas) [default: 1]
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<u32>,
     /// This node's rank
     #[arg(long, conflicts_with = "ranks", value_name = "R")]
     pub rank: Option<u32>,
@@ -83,10 +88,14 @@ pub struct SamplerArgs {
     /// DistributedSampler(shuffle=False)
     #[arg(long)]
     pub no_shuffle: bool,
-    /// torch-random: where the loader's randomness comes from: `loader` (DataLoader(generator=g))
-    /// or `global` (torch.manual_seed only; predictable only if nothing else draws from it)
-    #[arg(long, value_enum, default_value_t = GeneratorSource::Loader, value_name = "SOURCE")]
-    pub generator: GeneratorSource,
+    /// torch-distributed: the job never calls set_epoch, so every epoch repeats epoch 0's order
+    #[arg(long)]
+    pub no_set_epoch: bool,
+    /// torch-random: where the randomness comes from: `loader` (DataLoader(generator=g)),
+    /// `sampler` (DataLoader(sampler=RandomSampler(ds, generator=g))) or `global`
+    /// (torch.manual_seed only; predictable only if nothing else draws from it) [default: loader]
+    #[arg(long, value_enum, value_name = "SOURCE")]
+    pub generator: Option<GeneratorSource>,
     /// torch-random: DataLoader(persistent_workers=True)
     #[arg(long)]
     pub persistent_workers: bool,
@@ -98,17 +107,51 @@ pub struct SamplerArgs {
     pub order_file: Option<PathBuf>,
 }
 
+/// What a mount takes whatever the sampler: the node's place in the job, which deploy scripts
+/// pass to every mount (the Slurm prolog gives each node its seed, world size and ranks).
+const NODE_OPTIONS: &[SamplerOption] = &[
+    SamplerOption::Seed,
+    SamplerOption::WorldSize,
+    SamplerOption::Rank,
+    SamplerOption::Ranks,
+];
+
 impl SamplerArgs {
     /// The sampler settings and the local ranks, checked for shape (not yet against the length);
-    /// `default` is the sampler when `--sampler` is not given.
-    pub fn config(&self, default: SamplerKind) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
+    /// `default` is the sampler when `--sampler` is not given. An option given to a sampler
+    /// that does not read it is refused, unless `tolerated`.
+    pub fn config(
+        &self,
+        default: SamplerKind,
+        tolerated: &[SamplerOption],
+    ) -> Result<(SamplerConfig, Vec<u32>), OrderError> {
         let kind = self.sampler.unwrap_or(default);
+        let given = [
+            (SamplerOption::Seed, self.seed.is_some()),
+            (SamplerOption::WorldSize, self.world_size.is_some()),
+            (SamplerOption::Rank, self.rank.is_some()),
+            (SamplerOption::Ranks, self.ranks.is_some()),
+            (SamplerOption::DropLast, self.drop_last),
+            (SamplerOption::NoShuffle, self.no_shuffle),
+            (SamplerOption::NoSetEpoch, self.no_set_epoch),
+            (SamplerOption::Generator, self.generator.is_some()),
+            (SamplerOption::PersistentWorkers, self.persistent_workers),
+            (SamplerOption::TorchVersion, self.torch_version.is_some()),
+            (SamplerOption::OrderFile, self.order_file.is_some()),
+        ];
+        for (option, _) in given
+            .iter()
+            .filter(|(o, given)| *given && !tolerated.contains(o))
+        {
+            option.check_applies(kind)?;
+        }
         let mut cfg = SamplerConfig::new(kind);
-        cfg.seed = self.seed;
-        cfg.world_size = self.world_size;
+        cfg.seed = self.seed.unwrap_or(cfg.seed);
+        cfg.world_size = self.world_size.unwrap_or(cfg.world_size);
         cfg.drop_last = self.drop_last;
         cfg.shuffle = !self.no_shuffle;
-        cfg.generator = self.generator;
+        cfg.set_epoch = !self.no_set_epoch;
+        cfg.generator = self.generator.unwrap_or(cfg.generator);
         cfg.persistent_workers = self.persistent_workers;
         if let Some(v) = &self.torch_version {
             cfg.torch_version = v.parse::<TorchVersion>()?;
@@ -125,6 +168,14 @@ impl SamplerArgs {
             (None, Some(r)) => vec![r],
             (None, None) => vec![0],
         };
+        // Ranks above 0 are of a job of several: its size is not something to guess.
+        if self.world_size.is_none() && ranks.iter().any(|&r| r > 0) {
+            let (flag, ranks) = match &self.ranks {
+                Some(list) => ("--ranks", list.clone()),
+                None => ("--rank", ranks[0].to_string()),
+            };
+            return Err(OrderError::RanksNeedWorldSize { flag, ranks });
+        }
         Ok((cfg, ranks))
     }
 }
@@ -260,12 +311,134 @@ mod tests {
         let super::Command::Order(args) = parse("chainer").unwrap().command else {
             unreachable!()
         };
-        assert_eq!(args.sampler.sampler, Some(crate::order::SamplerKind::NumpyLegacy));
+        assert_eq!(
+            args.sampler.sampler,
+            Some(crate::order::SamplerKind::NumpyLegacy)
+        );
         for kind in crate::order::SamplerKind::ALL {
             assert!(parse(kind.name()).is_ok(), "{kind}");
         }
         let err = parse("torch").unwrap_err().to_string();
-        assert!(err.contains("possible values: torch-distributed"), "{err}");
+        assert!(
+            err.contains("possible values: auto, torch-distributed"),
+            "{err}"
+        );
+    }
+
+    /// `stagefs order ARGS`'s sampler settings, as `config` checks them for `order` (nothing
+    /// tolerated) and for `mount` (the node's options tolerated).
+    fn sampler_config(args: &str) -> [Result<String, String>; 2] {
+        use clap::Parser;
+        let argv = ["stagefs", "order", "--len", "10"]
+            .into_iter()
+            .chain(args.split_whitespace());
+        let super::Command::Order(order) = super::Cli::try_parse_from(argv).unwrap().command else {
+            unreachable!()
+        };
+        [&[][..], super::NODE_OPTIONS].map(|tolerated| {
+            (order
+                .sampler
+                .config(crate::order::SamplerKind::TorchDistributed, tolerated))
+            .map(|(cfg, ranks)| format!("{} {ranks:?}", cfg.kind))
+            .map_err(|e| e.to_string())
+        })
+    }
+
+    #[test]
+    fn options_a_sampler_does_not_read_are_refused() {
+        for (args, refused) in [
+            ("--sampler numpy-legacy --world-size 4", "--world-size"),
+            ("--sampler numpy-legacy --ranks 0-1", "--ranks"),
+            ("--sampler torch-random --rank 0", "--rank"),
+            ("--sampler sequential --seed 0", "--seed"),
+            ("--sampler none --seed 3", "--seed"),
+        ] {
+            let [order, mount] = sampler_config(args);
+            let msg = order.unwrap_err();
+            assert!(
+                msg.starts_with(&format!("{refused} does not apply to --sampler ")),
+                "{args}: {msg}"
+            );
+            // Deploy scripts give every mount the node's seed, world size and ranks.
+            if refused != "--ranks" {
+                assert!(mount.is_ok(), "{args}: {mount:?}");
+            }
+        }
+        for (args, refused, readers) in [
+            (
+                "--sampler numpy-legacy --generator loader",
+                "--generator",
+                "torch-random",
+            ),
+            (
+                "--persistent-workers",
+                "--persistent-workers",
+                "torch-random",
+            ),
+            (
+                "--sampler torch-random --drop-last",
+                "--drop-last",
+                "torch-distributed",
+            ),
+            (
+                "--sampler torch-random --no-shuffle",
+                "--no-shuffle",
+                "torch-distributed",
+            ),
+            (
+                "--sampler numpy-inplace --no-set-epoch",
+                "--no-set-epoch",
+                "torch-distributed",
+            ),
+            (
+                "--sampler sequential --torch-version 2.6",
+                "--torch-version",
+                "torch-distributed, torch-random",
+            ),
+            ("--order-file /nonexistent", "--order-file", "list"),
+        ] {
+            for msg in sampler_config(args) {
+                let msg = msg.unwrap_err();
+                assert!(
+                    msg.starts_with(&format!("{refused} does not apply to --sampler "))
+                        && msg.contains(&format!("(it is for {readers})")),
+                    "{args}: {msg}"
+                );
+            }
+        }
+        for args in [
+            "--seed 3 --world-size 4 --ranks 0-1 --drop-last --no-shuffle --no-set-epoch --torch-version 2.6",
+            "--sampler torch-random --seed 3 --generator sampler --persistent-workers --torch-version 1.13",
+            "--sampler numpy-inplace --seed 3",
+            "--sampler sequential",
+        ] {
+            for result in sampler_config(args) {
+                assert!(result.is_ok(), "{args}: {result:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_above_0_need_the_world_size() {
+        for (args, msg) in [
+            ("--ranks 0-1", "--ranks 0-1 needs --world-size"),
+            ("--rank 3", "--rank 3 needs --world-size"),
+            (
+                "--sampler feed --ranks 2,5",
+                "--ranks 2,5 needs --world-size",
+            ),
+        ] {
+            let [_, mount] = sampler_config(args);
+            let got = mount.unwrap_err();
+            assert!(
+                got.starts_with(msg) && got.contains("the job's total number of ranks"),
+                "{args}: {got}"
+            );
+        }
+        let [order, _] = sampler_config("--ranks 0-1 --world-size 2");
+        assert_eq!(order.unwrap(), "torch-distributed [0, 1]");
+        let [order, _] = sampler_config("--rank 0");
+        assert_eq!(order.unwrap(), "torch-distributed [0]");
     }
 
     #[test]

@@ -125,7 +125,9 @@ impl TryFrom<&MountArgs> for MountConfig {
     type Error = MountArgsError;
 
     fn try_from(args: &MountArgs) -> Result<MountConfig, MountArgsError> {
-        let (sampler, ranks) = args.sampler.config(SamplerKind::Auto)?;
+        let (sampler, ranks) = args
+            .sampler
+            .config(SamplerKind::Auto, super::NODE_OPTIONS)?;
         let capacity = match args.cache_size.as_deref() {
             Some(size) => Capacity::Bytes(parse_size(size).map_err(MountArgsError::CacheSize)?),
             None => Capacity::FreeSpace,

@@ -41,7 +41,7 @@ pub struct OrderArgs {
 }
 
 pub fn run(args: OrderArgs) -> anyhow::Result<()> {
-    let (cfg, ranks) = args.sampler.config(SamplerKind::TorchDistributed)?;
+    let (cfg, ranks) = args.sampler.config(SamplerKind::TorchDistributed, &[])?;
     match cfg.kind {
         SamplerKind::Feed => anyhow::bail!(
             "--sampler feed has no order of its own: the job announces it as it runs (see `stagefs feed-env`)"

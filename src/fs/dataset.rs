@@ -16,8 +16,8 @@ use std::time::{Instant, SystemTime};
 
 use super::access::{self, Caller, Gate};
 use super::error::FsError;
-use super::opens::{OpenReply, Opens};
 use super::launcher::Launchers;
+use super::opens::{OpenReply, Opens};
 use super::xattr::Probes;
 use crate::catalog::{Catalog, Entry, FileId, Kind};
 use crate::stager::{SourceRoot, Stager};

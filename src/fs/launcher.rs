@@ -73,20 +73,22 @@ pub fn parse(environ: &[u8]) -> Option<JobRank> {
         let digits = value.bytes().take_while(u8::is_ascii_digit).count();
         value[..digits].parse().ok()
     };
-    LAUNCHERS.iter().find_map(|[rank, world, local_rank, local_size]| {
-        let (rank, world_size) = (number(rank)?, number(world)?);
-        if rank >= world_size {
-            return None;
-        }
-        let local = number(local_rank)
-            .zip(number(local_size))
-            .filter(|&(r, size)| r < size && size <= world_size);
-        Some(JobRank {
-            rank,
-            world_size,
-            local,
+    LAUNCHERS
+        .iter()
+        .find_map(|[rank, world, local_rank, local_size]| {
+            let (rank, world_size) = (number(rank)?, number(world)?);
+            if rank >= world_size {
+                return None;
+            }
+            let local = number(local_rank)
+                .zip(number(local_size))
+                .filter(|&(r, size)| r < size && size <= world_size);
+            Some(JobRank {
+                rank,
+                world_size,
+                local,
+            })
         })
-    })
 }
 
 #[cfg(test)]
@@ -104,7 +106,8 @@ mod tests {
                 local: Some((1, 4))
             })
         );
-        let slurm = b"SLURM_PROCID=3\0SLURM_NTASKS=4\0SLURM_LOCALID=1\0SLURM_NTASKS_PER_NODE=2(x2)\0";
+        let slurm =
+            b"SLURM_PROCID=3\0SLURM_NTASKS=4\0SLURM_LOCALID=1\0SLURM_NTASKS_PER_NODE=2(x2)\0";
         assert_eq!(parse(slurm).unwrap().local, Some((1, 2)));
         assert_eq!(parse(b"HOME=/root\0"), None);
         // A rank past the world is no launcher's.

@@ -429,7 +429,7 @@ fn xattrs_of_ours_answer_by_name() {
     );
     assert_eq!(
         get(ROOT_INO, "user.stagefs.sampler").unwrap(),
-        Xattr::Data(b"test".to_vec())
+        Xattr::Data(b"none".to_vec())
     );
     let nodata = |r: Result<Xattr, FsError>| r.unwrap_err().errno();
     assert_eq!(nodata(get(ROOT_INO, "user.stagefs.nothing")), libc::ENODATA);

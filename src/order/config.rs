@@ -19,6 +19,9 @@ pub enum SamplerKind {
     NumpyLegacy,
     /// `np.random.default_rng(seed)` + successive `permutation`.
     NumpyGenerator,
+    /// `np.random.seed` + `idx = np.arange(len)` once, then `np.random.shuffle(idx)` in place
+    /// every epoch: each epoch reshuffles the previous one.
+    NumpyInplace,
     /// `0..len` every epoch (`shuffle=False`).
     Sequential,
     /// An explicit order from `--order-file`.
@@ -33,12 +36,13 @@ pub enum SamplerKind {
 
 impl SamplerKind {
     /// Every sampler, in the order the help lists them.
-    pub const ALL: [SamplerKind; 9] = [
+    pub const ALL: [SamplerKind; 10] = [
         Self::Auto,
         Self::TorchDistributed,
         Self::TorchRandom,
         Self::NumpyLegacy,
         Self::NumpyGenerator,
+        Self::NumpyInplace,
         Self::Sequential,
         Self::List,
         Self::Feed,
@@ -52,11 +56,33 @@ impl SamplerKind {
             Self::TorchRandom => "torch-random",
             Self::NumpyLegacy => "numpy-legacy",
             Self::NumpyGenerator => "numpy-generator",
+            Self::NumpyInplace => "numpy-inplace",
             Self::Sequential => "sequential",
             Self::List => "list",
             Self::Feed => "feed",
             Self::None => "none",
             Self::Auto => "auto",
+        }
+    }
+
+    /// The options this sampler reads; the others do not apply to it. One line per sampler.
+    pub fn options(self) -> &'static [SamplerOption] {
+        use SamplerOption::*;
+        match self {
+            Self::TorchDistributed => &[
+                Seed,
+                WorldSize,
+                Rank,
+                Ranks,
+                DropLast,
+                NoShuffle,
+                NoSetEpoch,
+                TorchVersion,
+            ],
+            Self::TorchRandom => &[Seed, Generator, PersistentWorkers, TorchVersion],
+            Self::NumpyLegacy | Self::NumpyGenerator | Self::NumpyInplace => &[Seed],
+            Self::List => &[OrderFile],
+            Self::Sequential | Self::Feed | Self::None | Self::Auto => &[],
         }
     }
 }
@@ -67,29 +93,81 @@ impl fmt::Display for SamplerKind {
     }
 }
 
+/// A sampler setting as the command line names it, for saying which sampler reads which.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum SamplerOption {
+    Seed,
+    WorldSize,
+    Rank,
+    Ranks,
+    DropLast,
+    NoShuffle,
+    NoSetEpoch,
+    Generator,
+    PersistentWorkers,
+    TorchVersion,
+    OrderFile,
+}
+
+impl SamplerOption {
+    /// The flag on the command line.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Seed => "--seed",
+            Self::WorldSize => "--world-size",
+            Self::Rank => "--rank",
+            Self::Ranks => "--ranks",
+            Self::DropLast => "--drop-last",
+            Self::NoShuffle => "--no-shuffle",
+            Self::NoSetEpoch => "--no-set-epoch",
+            Self::Generator => "--generator",
+            Self::PersistentWorkers => "--persistent-workers",
+            Self::TorchVersion => "--torch-version",
+            Self::OrderFile => "--order-file",
+        }
+    }
+
+    /// Refuses this option for `sampler` unless it reads it.
+    pub fn check_applies(self, sampler: SamplerKind) -> Result<(), OrderError> {
+        if sampler.options().contains(&self) {
+            return Ok(());
+        }
+        let readers: Vec<&str> = (SamplerKind::ALL.into_iter())
+            .filter(|k| k.options().contains(&self))
+            .map(SamplerKind::name)
+            .collect();
+        Err(OrderError::OptionDoesNotApply {
+            option: self.flag(),
+            sampler,
+            readers: readers.join(", "),
+        })
+    }
+}
+
 /// Where `RandomSampler` draws from (torch-random only).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum GeneratorSource {
     /// `DataLoader(..., generator=torch.Generator().manual_seed(seed))`.
     Loader,
+    /// `DataLoader(..., sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(seed)))`:
+    /// only the sampler draws from the generator (the loader's base seed comes from the
+    /// global RNG).
+    Sampler,
     /// No generator: the global RNG after `torch.manual_seed(seed)`. Predictable only if
     /// nothing else (model init, dropout, random transforms in the main process, ...) draws
     /// from it between epochs.
     Global,
-    /// `RandomSampler(ds, generator=torch.Generator().manual_seed(seed))` passed to the
-    /// DataLoader: the loader's base seed comes from the global generator, not this one.
-    Sampler,
 }
 
 impl GeneratorSource {
-    pub const ALL: [GeneratorSource; 3] = [Self::Loader, Self::Global, Self::Sampler];
+    pub const ALL: [GeneratorSource; 3] = [Self::Loader, Self::Sampler, Self::Global];
 
     /// The name on the command line (`--generator`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Loader => "loader",
-            Self::Global => "global",
             Self::Sampler => "sampler",
+            Self::Global => "global",
         }
     }
 }
@@ -149,6 +227,9 @@ pub struct SamplerConfig {
     pub drop_last: bool,
     /// false = `DistributedSampler(shuffle=False)`.
     pub shuffle: bool,
+    /// torch-distributed: false = the job never calls `set_epoch`, so the sampler's epoch stays
+    /// 0 and every epoch repeats epoch 0's order.
+    pub set_epoch: bool,
     /// torch-random only.
     pub generator: GeneratorSource,
     /// torch-random only: the loader's base seed is drawn once instead of every epoch.
@@ -161,6 +242,8 @@ pub struct SamplerConfig {
 
 /// Random words a sampler may have to replay to reach a requested epoch: about 2 minutes of CPU
 /// at the ~7 ns a numpy draw costs here; ImageNet-22k's 14.2 M samples allow epoch 1,400.
+/// numpy-inplace also moves its array with each draw, which on arrays larger than the CPU's
+/// caches makes a word cost up to ~25 ns (measured at 14.2 M): still minutes, not hours.
 const MAX_REPLAY_WORDS: u128 = 20_000_000_000;
 
 /// The oldest torch versions that behave as modelled here (see access-order.md): older
@@ -172,8 +255,8 @@ const RANDOM_SINCE: TorchVersion = TorchVersion {
 };
 
 impl SamplerConfig {
-    /// The loaders' defaults: seed 0, one replica, shuffle, no drop_last, loader generator,
-    /// no persistent workers, newest torch.
+    /// The loaders' defaults: seed 0, one replica, shuffle, no drop_last, `set_epoch` called,
+    /// loader generator, no persistent workers, newest torch.
     pub fn new(kind: SamplerKind) -> Self {
         Self {
             kind,
@@ -181,6 +264,7 @@ impl SamplerConfig {
             world_size: 1,
             drop_last: false,
             shuffle: true,
+            set_epoch: true,
             generator: GeneratorSource::Loader,
             persistent_workers: false,
             torch_version: TorchVersion::NEWEST,
@@ -216,7 +300,11 @@ impl SamplerConfig {
             }
         }
         if self.kind == SamplerKind::TorchDistributed {
-            flags += &format!(" --world-size {} --ranks {}", self.world_size, rank_list(ranks));
+            flags += &format!(
+                " --world-size {} --ranks {}",
+                self.world_size,
+                rank_list(ranks)
+            );
             if self.drop_last != defaults.drop_last {
                 flags += " --drop-last";
             }
@@ -231,11 +319,13 @@ impl SamplerConfig {
     }
 
     /// Random words drawn (or skipped) to reach `epoch` from the start of the stream: numpy's
-    /// permutations follow each other in one stream, and torch-random with the loader's
-    /// generator skips the earlier epochs' draws. Samplers seeding each epoch afresh need none.
+    /// shuffles follow each other in one stream, and torch-random with a seeded generator
+    /// skips the earlier epochs' draws. Samplers seeding each epoch afresh need none.
     pub fn replay_words(&self, len: u64, epoch: u64) -> u128 {
         let per_epoch = match self.kind {
-            SamplerKind::NumpyLegacy | SamplerKind::NumpyGenerator => u128::from(len),
+            SamplerKind::NumpyLegacy | SamplerKind::NumpyGenerator | SamplerKind::NumpyInplace => {
+                u128::from(len)
+            }
             SamplerKind::TorchRandom if self.generator != GeneratorSource::Global => {
                 2 * u128::from(torch::randperm_draws(len, self.torch_version))
             }
@@ -261,6 +351,9 @@ impl SamplerConfig {
     /// Checks the settings against a dataset of `len` samples read by `ranks`.
     pub fn validate(&self, len: u64, ranks: &[u32]) -> Result<(), OrderError> {
         self.validate_ranks(ranks)?;
+        if !self.set_epoch {
+            SamplerOption::NoSetEpoch.check_applies(self.kind)?;
+        }
         // A fed order is checked as it is announced, against the files it names.
         if !self.predicts() || self.kind == SamplerKind::Feed {
             return Ok(());
@@ -274,13 +367,14 @@ impl SamplerConfig {
         match self.kind {
             SamplerKind::TorchDistributed => self.check_torch(DISTRIBUTED_SINCE),
             SamplerKind::TorchRandom => self.check_torch(RANDOM_SINCE),
-            SamplerKind::NumpyLegacy => self.check_seed(0..1 << 32, "0 and 2^32-1"),
+            SamplerKind::NumpyLegacy | SamplerKind::NumpyInplace => {
+                self.check_seed(0..1 << 32, "0 and 2^32-1")
+            }
             SamplerKind::NumpyGenerator => self.check_seed(0..1 << 64, "0 and 2^64-1"),
             SamplerKind::List => self.check_list(len),
-            SamplerKind::Sequential
-            | SamplerKind::Feed
-            | SamplerKind::None
-            | SamplerKind::Auto => Ok(()),
+            SamplerKind::Sequential | SamplerKind::Feed | SamplerKind::None | SamplerKind::Auto => {
+                Ok(())
+            }
         }
     }
 
@@ -359,7 +453,7 @@ impl SamplerConfig {
     }
 
     /// The exact index order `rank` reads in `epoch` (the value passed to `set_epoch` for
-    /// torch-distributed; the epoch count otherwise). Only torch-distributed depends on the
+    /// torch-distributed, unless the job never calls it; the epoch count otherwise). Only torch-distributed depends on the
     /// rank; the others give every rank the whole order. `list` repeats the order file every
     /// epoch (the file is taken as the whole run's stream, epoch 0 included). `none` gives an
     /// empty order.
@@ -375,8 +469,9 @@ impl SamplerConfig {
         self.validate(len, ranks)?;
         Ok(match self.kind {
             SamplerKind::TorchDistributed => {
+                let sampler_epoch = if self.set_epoch { epoch } else { 0 };
                 let seed = if self.shuffle {
-                    Some(self.distributed_seed(epoch)?)
+                    Some(self.distributed_seed(sampler_epoch)?)
                 } else {
                     None
                 };
@@ -392,6 +487,7 @@ impl SamplerConfig {
             .epoch_order(epoch),
             SamplerKind::NumpyLegacy => numpy::legacy_order(self.seed as u32, len, epoch),
             SamplerKind::NumpyGenerator => numpy::generator_order(self.seed as u64, len, epoch),
+            SamplerKind::NumpyInplace => numpy::inplace_order(self.seed as u32, len, epoch),
             SamplerKind::Sequential => (0..len).map(|i| i as u32).collect(),
             SamplerKind::List => self.order_list.as_deref().cloned().unwrap_or_default(),
             // Announced orders are the plan's (plan::Feed), in files rather than indices.

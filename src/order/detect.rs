@@ -249,7 +249,11 @@ impl<'a> Judge<'a> {
     fn numpy(&self) -> Option<Detection> {
         let seeds = (NUMPY_BUDGET_DRAWS / (2 * self.len.max(1))).max(USUAL_SEEDS.len() as u64);
         let mut order = Vec::new();
-        for seed in USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS).take(seeds as usize) {
+        for seed in USUAL_SEEDS
+            .into_iter()
+            .chain(0..TORCH_SEEDS)
+            .take(seeds as usize)
+        {
             let kinds = [
                 (SamplerKind::NumpyLegacy, numpy::Stream::Legacy),
                 (SamplerKind::NumpyGenerator, numpy::Stream::Generator),
@@ -308,7 +312,10 @@ fn distributed_seeds() -> impl Iterator<Item = u64> {
         .into_iter()
         .filter(|&s| s >= TORCH_SEEDS)
         .flat_map(|s| s..s + RESUMED_EPOCHS);
-    USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS).chain(resumed_usual)
+    USUAL_SEEDS
+        .into_iter()
+        .chain(0..TORCH_SEEDS)
+        .chain(resumed_usual)
 }
 
 /// Epochs a resumed job is taken to be at when its generator seed is a usual seed plus a few.

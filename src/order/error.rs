@@ -15,6 +15,18 @@ pub enum OrderError {
     NoRanks,
     #[error("--rank {rank} is out of range for --world-size {world} (ranks are 0..{})", world - 1)]
     RankOutOfRange { rank: u32, world: u32 },
+    #[error(
+        "{flag} {ranks} needs --world-size (the job's total number of ranks, DistributedSampler's num_replicas)"
+    )]
+    RanksNeedWorldSize { flag: &'static str, ranks: String },
+    #[error(
+        "{option} does not apply to --sampler {sampler} (it is for {readers}): remove it, or check --sampler"
+    )]
+    OptionDoesNotApply {
+        option: &'static str,
+        sampler: SamplerKind,
+        readers: String,
+    },
     #[error("rank {0} is listed twice: list each rank once")]
     DuplicateRank(u32),
     #[error("invalid rank list {input:?}: {reason}; write e.g. 3, 0-7 or 0,2,4-6")]

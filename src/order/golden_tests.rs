@@ -19,6 +19,7 @@ const KNOWN_FIELDS: &[&str] = &[
     "rank",
     "drop_last",
     "shuffle",
+    "set_epoch",
     "generator",
     "persistent_workers",
     "order_len",
@@ -100,6 +101,7 @@ fn compute(case: &Map<String, Value>, version: TorchVersion) -> Result<Vec<u32>,
     cfg.world_size = u64_field(case, "world_size", 1) as u32;
     cfg.drop_last = bool_field(case, "drop_last", false);
     cfg.shuffle = bool_field(case, "shuffle", true);
+    cfg.set_epoch = bool_field(case, "set_epoch", true);
     cfg.persistent_workers = bool_field(case, "persistent_workers", false);
     if let Some(g) = case.get("generator") {
         let name = g.as_str().expect("generator");
@@ -185,4 +187,17 @@ fn golden_torch() {
 #[test]
 fn golden_numpy() {
     check_file("numpy.json");
+}
+
+/// `DataLoader(sampler=RandomSampler(ds, generator=g))`, and DistributedSampler without
+/// `set_epoch` (made by `more.py`).
+#[test]
+fn golden_more_torch() {
+    check_file("more_torch.json");
+}
+
+/// `np.random.shuffle(idx)` in place every epoch (made by `more.py`).
+#[test]
+fn golden_more_numpy() {
+    check_file("more_numpy.json");
 }

@@ -21,6 +21,6 @@ mod golden_tests;
 #[cfg(test)]
 mod prop_tests;
 
-pub use config::{GeneratorSource, SamplerConfig, SamplerKind, TorchVersion};
+pub use config::{GeneratorSource, SamplerConfig, SamplerKind, SamplerOption, TorchVersion};
 pub use error::OrderError;
 pub use parse::{parse_order_file, parse_order_text, parse_ranks};

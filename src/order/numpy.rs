@@ -1,12 +1,14 @@
 //! numpy's `permutation(n)` (= `shuffle(arange(n))`), shared by the legacy `RandomState`
-//! (MT19937; also Chainer's default order sampler) and the new `Generator` (PCG64).
+//! (MT19937; also Chainer's default order sampler) and the new `Generator` (PCG64), and the
+//! legacy `shuffle(idx)` of one array in place every epoch.
 //!
-//! Both shuffle with the same masked-rejection `interval()`, so it is written once over a
+//! All shuffle with the same masked-rejection `interval()`, so it is written once over a
 //! small bit-source trait. The number of draws depends on the values drawn, so reaching
-//! epoch `e` means running the draws of epochs `0..e` (without building their arrays). The
-//! stream's state after the last epoch asked for is kept, so asking for epochs in order
-//! (the planner, one epoch after the other; a resynchronisation scanning epochs) costs one
-//! epoch's draws each instead of a replay from the start.
+//! epoch `e` means running the draws of epochs `0..e` (without building their arrays, except
+//! the in-place array, which each epoch moves on). The stream's state after the last epoch
+//! asked for is kept, so asking for epochs in order (the planner, one epoch after the other;
+//! a resynchronisation scanning epochs) costs one epoch's draws each instead of a replay from
+//! the start.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -56,16 +58,30 @@ fn shuffle_draws<B: BitSource>(bits: &mut B, n: u64, mut swap: impl FnMut(usize,
     }
 }
 
-/// A stream seeded with `seed` after `done` permutations of `n`.
+/// What successive epochs shuffle.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Shuffled {
+    /// A fresh `arange(n)` each epoch: successive `permutation(n)`.
+    Fresh,
+    /// One array, shuffled again each epoch: `shuffle(idx)` in place. The draws are those of
+    /// `Fresh` (`interval(i)` depends only on i); only the array they move differs.
+    InPlace,
+}
+
+/// A stream seeded with `seed` after `done` epochs of shuffling `n` indices.
 struct Checkpoint<B> {
     seed: u64,
     n: u64,
+    shuffled: Shuffled,
     done: u64,
     bits: B,
+    /// `InPlace`: the array after those epochs (`Fresh` keeps none: each epoch starts anew).
+    array: Vec<u32>,
 }
 
 /// Streams kept: enough for the planner, a resynchronisation and a user's `stagefs order`
-/// at once (an MT19937 state is 5 KB).
+/// at once (an MT19937 state is 5 KB; an in-place stream also keeps its array, 4 bytes a
+/// sample).
 const CHECKPOINTS: usize = 4;
 
 /// Where recent streams stood, per generator kind.
@@ -76,41 +92,58 @@ impl<B: BitSource + Clone> Checkpoints<B> {
         Checkpoints(Mutex::new(Vec::new()))
     }
 
-    /// The `epoch`-th successive `permutation(n)` of the stream `fresh` starts (epoch 0 is the
-    /// first), resumed from the latest checkpoint at or before it.
-    fn nth_permutation(
+    /// The order of epoch `epoch` (0 is the first) of the stream `fresh` starts, shuffling
+    /// `n` indices as `shuffled` says, resumed from the latest checkpoint at or before it.
+    fn nth_order(
         &self,
         seed: u64,
         n: u64,
+        shuffled: Shuffled,
         epoch: u64,
         fresh: impl FnOnce() -> B,
     ) -> Vec<u32> {
         let resume = self
             .lock()
             .iter()
-            .filter(|c| c.seed == seed && c.n == n && c.done <= epoch)
+            .filter(|c| c.seed == seed && c.n == n && c.shuffled == shuffled && c.done <= epoch)
             .max_by_key(|c| c.done)
-            .map(|c| (c.done, c.bits.clone()));
-        let (mut done, mut bits) = resume.unwrap_or_else(|| (0, fresh()));
+            .map(|c| (c.done, c.bits.clone(), c.array.clone()));
+        let arange = || (0..n).map(|i| i as u32).collect::<Vec<u32>>();
+        let (mut done, mut bits, mut array) = resume.unwrap_or_else(|| match shuffled {
+            Shuffled::Fresh => (0, fresh(), Vec::new()),
+            Shuffled::InPlace => (0, fresh(), arange()),
+        });
         while done < epoch {
-            shuffle_draws(&mut bits, n, |_, _| {});
+            match shuffled {
+                Shuffled::Fresh => shuffle_draws(&mut bits, n, |_, _| {}),
+                Shuffled::InPlace => shuffle_draws(&mut bits, n, |i, j| array.swap(i, j)),
+            }
             done += 1;
         }
-        let mut a: Vec<u32> = (0..n).map(|i| i as u32).collect();
-        shuffle_draws(&mut bits, n, |i, j| a.swap(i, j));
+        let mut order = match shuffled {
+            Shuffled::Fresh => arange(),
+            Shuffled::InPlace => array,
+        };
+        shuffle_draws(&mut bits, n, |i, j| order.swap(i, j));
         self.remember(Checkpoint {
             seed,
             n,
+            shuffled,
             done: epoch + 1,
             bits,
+            array: match shuffled {
+                Shuffled::Fresh => Vec::new(),
+                Shuffled::InPlace => order.clone(),
+            },
         });
-        a
+        order
     }
 
     /// Keeps `new`, replacing an older point of the same stream, else the least advanced.
     fn remember(&self, new: Checkpoint<B>) {
         let mut kept = self.lock();
-        let same = kept.iter().position(|c| c.seed == new.seed && c.n == new.n);
+        let same = (kept.iter())
+            .position(|c| c.seed == new.seed && c.n == new.n && c.shuffled == new.shuffled);
         match same {
             Some(i) if kept[i].done < new.done => kept[i] = new,
             Some(_) => {}
@@ -153,12 +186,22 @@ impl Stream {
 
 /// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`.
 pub fn legacy_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
-    LEGACY.nth_permutation(u64::from(seed), n, epoch, || Mt19937::new(seed))
+    LEGACY.nth_order(u64::from(seed), n, Shuffled::Fresh, epoch, || {
+        Mt19937::new(seed)
+    })
+}
+
+/// `np.random.seed(seed); idx = np.arange(n)`, then `np.random.shuffle(idx)` once per epoch
+/// up to and including `epoch`: `idx` as that epoch reads it.
+pub fn inplace_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
+    LEGACY.nth_order(u64::from(seed), n, Shuffled::InPlace, epoch, || {
+        Mt19937::new(seed)
+    })
 }
 
 /// `rng = np.random.default_rng(seed)`, then the `epoch`-th `rng.permutation(n)`.
 pub fn generator_order(seed: u64, n: u64, epoch: u64) -> Vec<u32> {
-    GENERATOR.nth_permutation(seed, n, epoch, || Pcg64::from_seed(seed))
+    GENERATOR.nth_order(seed, n, Shuffled::Fresh, epoch, || Pcg64::from_seed(seed))
 }
 
 #[cfg(test)]
@@ -226,6 +269,31 @@ mod tests {
         }
         // Another length of the same seed is another stream.
         assert_eq!(legacy_order(77, 10, 1), replayed(77, 10, 1));
+    }
+
+    #[test]
+    fn inplace_epochs_reshuffle_the_previous_epoch() {
+        // Shuffling an array moves its entries as the same draws move arange(n): epoch e's
+        // array is epoch e-1's indexed by the e-th permutation. Asked for in any order, with
+        // the permutations' stream of the same seed in use alongside.
+        let (seed, n) = (78, 300);
+        let mut previous: Vec<u32> = (0..n as u32).collect();
+        let mut expected = Vec::new();
+        for epoch in 0..8 {
+            let current: Vec<u32> = (legacy_order(seed, n, epoch).iter())
+                .map(|&p| previous[p as usize])
+                .collect();
+            expected.push(current.clone());
+            previous = current;
+        }
+        assert_eq!(inplace_order(seed, n, 0), legacy_order(seed, n, 0));
+        for epoch in [1, 2, 5, 3, 3, 0, 7, 4] {
+            assert_eq!(
+                inplace_order(seed, n, epoch),
+                expected[epoch as usize],
+                "epoch {epoch}"
+            );
+        }
     }
 
     #[test]

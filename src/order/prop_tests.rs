@@ -12,27 +12,21 @@ fn shuffling_config() -> impl Strategy<Value = SamplerConfig> {
         Just(SamplerKind::TorchRandom),
         Just(SamplerKind::NumpyLegacy),
         Just(SamplerKind::NumpyGenerator),
+        Just(SamplerKind::NumpyInplace),
     ];
-    (kind, any::<u64>(), any::<bool>(), any::<bool>()).prop_map(
-        |(kind, seed, global, persistent)| {
-            let mut cfg = SamplerConfig::new(kind);
-            cfg.seed = match kind {
-                SamplerKind::NumpyLegacy => i128::from(seed as u32),
-                // torch takes negative seeds too
-                SamplerKind::TorchDistributed | SamplerKind::TorchRandom => {
-                    i128::from(seed as i64) / 2
-                }
-                _ => i128::from(seed),
-            };
-            cfg.generator = if global {
-                GeneratorSource::Global
-            } else {
-                GeneratorSource::Loader
-            };
-            cfg.persistent_workers = persistent;
-            cfg
-        },
-    )
+    let source = prop::sample::select(GeneratorSource::ALL.to_vec());
+    (kind, any::<u64>(), source, any::<bool>()).prop_map(|(kind, seed, source, persistent)| {
+        let mut cfg = SamplerConfig::new(kind);
+        cfg.seed = match kind {
+            SamplerKind::NumpyLegacy | SamplerKind::NumpyInplace => i128::from(seed as u32),
+            // torch takes negative seeds too
+            SamplerKind::TorchDistributed | SamplerKind::TorchRandom => i128::from(seed as i64) / 2,
+            _ => i128::from(seed),
+        };
+        cfg.generator = source;
+        cfg.persistent_workers = persistent;
+        cfg
+    })
 }
 
 fn distributed_config() -> impl Strategy<Value = SamplerConfig> {

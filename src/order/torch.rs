@@ -1,8 +1,8 @@
 //! torch's CPU `randperm` and the two samplers built on it: `DistributedSampler` and
 //! `RandomSampler` (what `DataLoader(shuffle=True)` uses).
 
-use super::{GeneratorSource, TorchVersion};
 use super::mt19937::Mt19937;
+use super::{GeneratorSource, TorchVersion};
 
 /// From torch 2.6 on, `randperm` switches to 64-bit draws for `n >= u32::MAX / 20`.
 const INSIDE_OUT_MIN_N: u64 = u32::MAX as u64 / 20;
@@ -115,6 +115,8 @@ impl Distributed {
 pub struct Random {
     pub n: u64,
     pub seed: u64,
+    /// The generator seeded with `seed`: the loader's, the sampler's own, or the global RNG
+    /// after `torch.manual_seed(seed)`.
     pub generator: GeneratorSource,
     pub persistent_workers: bool,
     pub version: TorchVersion,
@@ -124,29 +126,27 @@ impl Random {
     /// The order of epoch `epoch`, assuming nothing else draws from the generator.
     pub fn epoch_order(&self, epoch: u64) -> Vec<u32> {
         let e = u128::from(epoch);
-        // Outputs the loader's base seed (one random64 per iterator) has taken up to and
-        // including this epoch: persistent workers keep the first iterator alive.
-        let base_seed_draws = if self.persistent_workers {
-            2
-        } else {
-            2 * (e + 1)
+        // Outputs the loader's base seed (one random64 per iterator) has taken from the
+        // generator up to and including this epoch: persistent workers keep the first iterator
+        // alive. A sampler's own generator gives the loader nothing: its base seed comes from
+        // the global RNG.
+        let base_seed_draws = match (self.generator, self.persistent_workers) {
+            (GeneratorSource::Sampler, _) => 0,
+            (_, true) => 2,
+            (_, false) => 2 * (e + 1),
         };
         let mut g = generator(self.seed);
-        // Each epoch: randperm for the order, then one more whose result is discarded when
-        // the sampler is exhausted.
-        let per_epoch = 2 * u128::from(randperm_draws(self.n, self.version));
-        if self.generator == GeneratorSource::Sampler {
-            // The loader's base seeds come from the global generator.
-            g.discard(e * per_epoch);
-            randperm(self.n, &mut g, self.version)
-        } else if self.generator == GeneratorSource::Loader {
-            g.discard(base_seed_draws + e * per_epoch);
-            randperm(self.n, &mut g, self.version)
-        } else {
+        if self.generator == GeneratorSource::Global {
             // Each epoch the sampler draws a random64 seed for a private generator, which
             // keeps only its low 32 bits: the second output of the pair.
             g.discard(base_seed_draws + 2 * e + 1);
             randperm(self.n, &mut Mt19937::new(g.next_u32()), self.version)
+        } else {
+            // Each epoch: randperm for the order, then one more whose result is discarded
+            // when the sampler is exhausted.
+            let per_epoch = 2 * u128::from(randperm_draws(self.n, self.version));
+            g.discard(base_seed_draws + e * per_epoch);
+            randperm(self.n, &mut g, self.version)
         }
     }
 }

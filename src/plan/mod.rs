@@ -228,7 +228,9 @@ impl Plan {
     /// Computes, off any lock, what [`adopt`](Self::adopt) switches to: `order` and its plan
     /// of `epoch`.
     pub fn prepare(&self, order: Order, epoch: u64) -> Result<Prepared, OrderError> {
-        order.sampler.validate(self.layout.len() as u64, &order.ranks)?;
+        order
+            .sampler
+            .validate(self.layout.len() as u64, &order.ranks)?;
         order
             .sampler
             .check_epoch_reachable(self.layout.len() as u64, epoch)?;

@@ -298,7 +298,10 @@ impl Stager {
     /// Whether opens are wanted with the rank that made them (`--sampler auto` is looking
     /// for the order): the FUSE layer then reads the opener's environment.
     pub fn wants_job_ranks(&self) -> bool {
-        self.inner.detector.as_ref().is_some_and(Detector::is_active)
+        self.inner
+            .detector
+            .as_ref()
+            .is_some_and(Detector::is_active)
     }
 
     /// Rank `rank` of the job opened `file` (see [`wants_job_ranks`](Self::wants_job_ranks)).
@@ -358,8 +361,7 @@ impl Stager {
         if !plan.is_fed() {
             // An announced order takes precedence over a detected or awaited one.
             let order = plan.order();
-            if order.sampler.kind != SamplerKind::Auto && order.provenance != Provenance::Detected
-            {
+            if order.sampler.kind != SamplerKind::Auto && order.provenance != Provenance::Detected {
                 return Err(AnnounceError::NotFed(order.sampler.kind));
             }
             if let Some(detector) = &self.inner.detector {
@@ -368,7 +370,10 @@ impl Stager {
             let mut st = self.inner.state.lock();
             plan.follow_announcements();
             st.tracker.stop_predicting();
-            log::warn!("the job announces its order: following it instead of {}", order.flags(0));
+            log::warn!(
+                "the job announces its order: following it instead of {}",
+                order.flags(0)
+            );
         }
         let count = files.len();
         // Converted (a copy of up to millions of ids) before the lock is taken.

@@ -51,13 +51,16 @@ impl Inner {
         // Found nowhere, or in an earlier epoch (the job repeats one): another configuration
         // may explain the opens better.
         let suspicious = found.is_none_or(|pos| self.plan.split(pos).0 < around_epoch);
-        if suspicious && let Some((variant, epoch)) = self.better_variant(&order, recent, around_epoch)
+        if suspicious
+            && let Some((variant, epoch)) = self.better_variant(&order, recent, around_epoch)
         {
             let flags = variant.flags(epoch);
             if order.provenance == Provenance::Detected {
                 match self.switch_to(variant, epoch) {
                     Ok(()) => {
-                        log::warn!("--sampler auto: the job's later opens follow {flags}; predicting that");
+                        log::warn!(
+                            "--sampler auto: the job's later opens follow {flags}; predicting that"
+                        );
                         if let Some(d) = &self.detector {
                             d.refined(flags);
                         }
@@ -67,7 +70,9 @@ impl Inner {
                     Err(e) => log::warn!("cannot follow {flags}: {e}"),
                 }
             } else {
-                log::warn!("the job's opens follow {flags}: remount with those flags (or --sampler auto)");
+                log::warn!(
+                    "the job's opens follow {flags}: remount with those flags (or --sampler auto)"
+                );
             }
         }
         if let Some(pos) = found {

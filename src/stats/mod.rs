@@ -112,12 +112,7 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn take(
-        c: &Counters,
-        g: Gauges,
-        passthrough: bool,
-        started: Instant,
-    ) -> Snapshot {
+    pub fn take(c: &Counters, g: Gauges, passthrough: bool, started: Instant) -> Snapshot {
         let hits = Counters::get(&c.hits);
         let misses = Counters::get(&c.misses);
         let opens = hits + misses;

@@ -24,8 +24,15 @@ fn only_replaying_samplers_refuse_far_epochs() {
         far.to_string().contains("epoch 1000000 of numpy-legacy"),
         "{far}"
     );
+    let inplace = cfg(SamplerKind::NumpyInplace);
+    assert_eq!(inplace.replay_words(imagenet, 3), 3 * 1_281_167);
     let loader = cfg(SamplerKind::TorchRandom);
     assert!(loader.check_epoch_reachable(imagenet, 1_000_000).is_err());
+    // A sampler's own generator replays its randperms too (two per epoch), without the
+    // loader's base seeds.
+    let mut own = cfg(SamplerKind::TorchRandom);
+    own.generator = GeneratorSource::Sampler;
+    assert_eq!(own.replay_words(imagenet, 3), 3 * 2 * (1_281_167 - 1));
     // Samplers that seed each epoch afresh reach any epoch directly.
     let mut global = cfg(SamplerKind::TorchRandom);
     global.generator = GeneratorSource::Global;
@@ -108,6 +115,77 @@ fn distributed_seed_plus_epoch_wraps_like_python_ints() {
 }
 
 #[test]
+fn without_set_epoch_every_epoch_is_epoch_0() {
+    let mut c = cfg(SamplerKind::TorchDistributed);
+    c.seed = 7;
+    c.world_size = 3;
+    let first = c.node_order(100, 0, &[0, 2]).unwrap();
+    assert_ne!(c.node_order(100, 5, &[0, 2]).unwrap(), first);
+    c.set_epoch = false;
+    for epoch in [0, 1, 5, u64::MAX] {
+        assert_eq!(c.node_order(100, epoch, &[0, 2]).unwrap(), first);
+    }
+    // seed + epoch never grows past the seed, so the largest seed works at any epoch.
+    c.seed = (1 << 64) - 1;
+    assert!(c.epoch_order(100, 9, 0).is_ok());
+    assert_eq!(c.replay_words(100, 9), 0);
+}
+
+#[test]
+fn no_set_epoch_is_refused_for_samplers_without_set_epoch() {
+    for kind in SamplerKind::ALL {
+        let mut c = cfg(kind);
+        c.set_epoch = false;
+        c.order_list = Some(Arc::new(vec![0]));
+        let result = c.validate(10, &[0]);
+        if kind == SamplerKind::TorchDistributed {
+            assert!(result.is_ok());
+            continue;
+        }
+        assert_eq!(
+            result.unwrap_err().to_string(),
+            format!(
+                "--no-set-epoch does not apply to --sampler {kind} (it is for torch-distributed): remove it, or check --sampler"
+            )
+        );
+    }
+}
+
+#[test]
+fn every_option_is_read_by_some_sampler_and_named_in_refusals() {
+    use SamplerOption::*;
+    let all = [
+        Seed,
+        WorldSize,
+        Rank,
+        Ranks,
+        DropLast,
+        NoShuffle,
+        NoSetEpoch,
+        Generator,
+        PersistentWorkers,
+        TorchVersion,
+        OrderFile,
+    ];
+    for option in all {
+        assert!(
+            SamplerKind::ALL
+                .iter()
+                .any(|k| k.options().contains(&option)),
+            "{option:?}"
+        );
+    }
+    assert!(Generator.check_applies(SamplerKind::TorchRandom).is_ok());
+    assert_eq!(
+        Seed.check_applies(SamplerKind::Sequential)
+            .unwrap_err()
+            .to_string(),
+        "--seed does not apply to --sampler sequential (it is for torch-distributed, torch-random, \
+         numpy-legacy, numpy-generator, numpy-inplace): remove it, or check --sampler"
+    );
+}
+
+#[test]
 fn simple_samplers() {
     assert_eq!(
         cfg(SamplerKind::Sequential).epoch_order(4, 7, 0).unwrap(),
@@ -174,6 +252,13 @@ fn bad_seeds() {
     );
     c.seed = -1;
     assert!(err(&c, 10, &[0]).starts_with("--seed -1 is negative for numpy-legacy"));
+
+    let mut c = cfg(SamplerKind::NumpyInplace);
+    c.seed = 1 << 32;
+    assert!(
+        err(&c, 10, &[0])
+            .contains("is too large for numpy-inplace: it must be between 0 and 2^32-1")
+    );
 
     let mut c = cfg(SamplerKind::NumpyGenerator);
     c.seed = (1 << 64) - 1;
