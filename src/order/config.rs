@@ -289,6 +289,7 @@ impl SamplerConfig {
                 | SamplerKind::TorchRandom
                 | SamplerKind::NumpyLegacy
                 | SamplerKind::NumpyGenerator
+                | SamplerKind::NumpyInplace
         );
         if seeded {
             flags += &format!(" --seed {}", self.seed);
@@ -311,8 +312,12 @@ impl SamplerConfig {
             if self.shuffle != defaults.shuffle {
                 flags += " --no-shuffle";
             }
+            if !self.set_epoch {
+                flags += " --no-set-epoch";
+            }
         }
-        if self.predicts() && self.kind != SamplerKind::Feed {
+        // Without set_epoch, every epoch reads the same: the epoch names nothing.
+        if self.predicts() && self.kind != SamplerKind::Feed && self.set_epoch {
             flags += &format!(" --epoch {epoch}");
         }
         flags

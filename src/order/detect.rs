@@ -281,10 +281,23 @@ impl<'a> Judge<'a> {
 }
 
 /// Configurations that read the same first epoch as `sampler` but differ later: what the
-/// first opens cannot tell apart, tried when the next epoch's opens stop following it.
-/// `lost_epoch` is the epoch the reader seemed to be in when the opens stopped following.
-pub fn variants(sampler: &SamplerConfig) -> Vec<SamplerConfig> {
+/// first opens cannot tell apart, tried when a later epoch's opens stop following it.
+/// `lost_epoch` is the epoch the reader was in by `sampler` when they stopped.
+pub fn variants(sampler: &SamplerConfig, lost_epoch: u64) -> Vec<SamplerConfig> {
     let mut out = Vec::new();
+    // A job that never calls set_epoch reads the epoch it started in again and again.
+    if sampler.kind == SamplerKind::TorchDistributed && sampler.set_epoch {
+        let mut v = sampler.clone();
+        v.set_epoch = false;
+        v.seed = sampler.seed + i128::from(lost_epoch.saturating_sub(1));
+        out.push(v);
+    }
+    // `np.random.shuffle(idx)` each epoch reads what `permutation` reads, once.
+    if sampler.kind == SamplerKind::NumpyLegacy {
+        let mut v = sampler.clone();
+        v.kind = SamplerKind::NumpyInplace;
+        out.push(v);
+    }
     if sampler.kind == SamplerKind::TorchRandom {
         for generator in GeneratorSource::ALL {
             for persistent_workers in [false, true] {

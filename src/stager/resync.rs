@@ -111,7 +111,7 @@ impl Inner {
     ) -> Option<(Order, u64)> {
         let window = self.settings.tracker.window;
         let mut best: Option<(usize, Order, u64)> = None;
-        for sampler in detect::variants(&order.sampler) {
+        for sampler in detect::variants(&order.sampler, around_epoch) {
             let variant = Order {
                 sampler,
                 ranks: order.ranks.clone(),

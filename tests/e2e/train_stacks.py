@@ -9,11 +9,13 @@
   balanced     a user-defined class-balanced sampler (a class, then a sample of it)
   numpy        idx = np.arange(n); np.random.shuffle(idx) every epoch, DataLoader(sampler=idx)
   ddp          DistributedSampler under torch.distributed (gloo): start one process per rank
-               with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
+               with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (--start-epoch E: a job
+               resumed at epoch E; --no-set-epoch: a job that forgets sampler.set_epoch)
 
 Prints one JSON line per epoch (see common.run_epochs); nothing here knows about stagefs.
 
-    python3 train_stacks.py ROOT --stack NAME [--persistent] [--opaque] [common options]
+    python3 train_stacks.py ROOT --stack NAME [--persistent] [--opaque] [--start-epoch E]
+        [--no-set-epoch] [common options]
 """
 
 import os
@@ -90,7 +92,8 @@ def loaders(args, ds, targets):
             # Ranks of a real DDP job stay within a step of each other (every step all-reduces
             # gradients); without training, a barrier per epoch keeps them as close.
             torch.distributed.barrier()
-            sampler.set_epoch(epoch)
+            if not args.no_set_epoch:
+                sampler.set_epoch(args.start_epoch + epoch)
             return loader
 
         return epoch_loader
@@ -120,6 +123,8 @@ def main():
     p.add_argument("--stack", required=True)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--opaque", action="store_true", help="hide the dataset's file paths (see Opaque)")
+    p.add_argument("--start-epoch", type=int, default=0, help="ddp: the epoch a resumed job starts at")
+    p.add_argument("--no-set-epoch", action="store_true", help="ddp: never call sampler.set_epoch")
     args = p.parse_args()
     torch.set_num_threads(1)
     folder = ImageFolder(args.root, loader=common.file_loader(args.decode))
