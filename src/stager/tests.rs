@@ -360,6 +360,59 @@ fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
 }
 
 #[test]
+fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
+    // stagefs is told rank 0 of 2; the job on this node reads rank 1's share (a wrong --rank),
+    // or rank 0's (right).
+    for reader_rank in [1, 0] {
+        let mut setup = Setup::new(400, SamplerKind::TorchDistributed);
+        setup.sampler.world_size = 2;
+        setup.capacity_share = 0.3;
+        setup.min = 1_000;
+        setup.max = 2_000;
+        let h = setup.build();
+        let capacity = h.stager().gauges().cache_capacity_bytes;
+        // Before the first open, the frontier fills the cache with rank 0's files.
+        assert!(h.eventually(|| h.stager().gauges().cache_used_bytes > capacity / 2));
+        let mut reader_cfg = h.plan.sampler().clone();
+        reader_cfg.world_size = 2;
+        let reader = Plan::new(
+            reader_cfg,
+            vec![reader_rank],
+            h.plan.layout().clone(),
+            h.catalog.len(),
+        )
+        .unwrap();
+        let mut read = HashSet::new();
+        for epoch in 0..2 {
+            let files = reader.files(epoch);
+            read_files(&h, &files, 8, 2);
+            read.extend(files);
+        }
+        let g = h.stager().gauges();
+        let wasted = h.get(&h.counters.wasted_bytes);
+        if reader_rank == 1 {
+            // A few opens fall on rank 0's next epoch by chance; the rest are mispredictions,
+            // lost or not.
+            assert_eq!(g.mode, "lost");
+            assert!(g.mispredictions >= 390, "{g:?}");
+            assert!(g.prediction_quality.unwrap() < 0.05, "{g:?}");
+            // The copies made for rank 0 and never read went first, counted as wasted.
+            let unread = h.plan.files(0).into_iter().filter(|f| !read.contains(f));
+            assert_eq!(h.stager().cached_count(unread), 0);
+            assert!(wasted > capacity / 2, "{wasted} bytes wasted of {capacity}");
+        } else {
+            assert_eq!((g.mode, g.mispredictions), ("predicting", 0));
+            assert_eq!(g.prediction_quality, Some(1.0));
+            let staged = h.get(&h.counters.staged_bytes);
+            assert!(
+                wasted * 100 <= staged,
+                "{wasted} bytes wasted of {staged} staged"
+            );
+        }
+    }
+}
+
+#[test]
 fn several_local_ranks_and_padding_are_one_node_stream() {
     // 10 samples over 4 ranks pads to 12; this node serves ranks 1 and 3.
     let mut setup = Setup::new(10, SamplerKind::TorchDistributed);
