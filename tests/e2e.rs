@@ -486,7 +486,15 @@ fn single_node(script: &str, sampler: &[&str], script_args: &[&str], files: u32)
         |_, _| {},
     );
     let predicted = predicted(&data.root, sampler, EPOCHS, false);
-    check_run(script, &direct, &direct_order, &seen, &predicted, &[0.95, 0.999], 0);
+    check_run(
+        script,
+        &direct,
+        &direct_order,
+        &seen,
+        &predicted,
+        &[0.95, 0.999],
+        0,
+    );
     mount.unmount();
     drop(volume);
 }
@@ -640,7 +648,15 @@ fn four_nodes_each_stage_their_share_from_gluster() {
     for (r, ((direct, direct_order, seen), (cached, stats))) in results.iter().enumerate() {
         let what = format!("rank {r} of {W}");
         let predicted = predicted(&data.root, &sampler(r), EPOCHS, false);
-        check_run(&what, direct, direct_order, seen, &predicted, &[0.95, 0.999], 0);
+        check_run(
+            &what,
+            direct,
+            direct_order,
+            seen,
+            &predicted,
+            &[0.95, 0.999],
+            0,
+        );
         let share0 = &shares[r][0];
         // The node staged its epoch-0 share and, ahead, only files of its next shares: nothing
         // of the other ranks' data, and each file read from GlusterFS once.
@@ -1074,9 +1090,21 @@ fn detected(script: &str, args: &[&str], expected: &str, found_in: usize, min: &
         .cloned()
         .chain(later)
         .collect();
-    check_run(script, &lines, &order, &seen, &predicted_order, min, found_in + 1);
+    check_run(
+        script,
+        &lines,
+        &order,
+        &seen,
+        &predicted_order,
+        min,
+        found_in + 1,
+    );
     let last = seen.stats.last().unwrap();
-    assert_eq!(last["prediction"], format!("detected: {expected}"), "{last}");
+    assert_eq!(
+        last["prediction"],
+        format!("detected: {expected}"),
+        "{last}"
+    );
     assert_eq!(last["mode"], "predicting", "{last}");
     mount.unmount();
     drop(volume);
@@ -1136,9 +1164,16 @@ fn detected_ranks(args: &[&str], expected: &str, min: &[f64]) {
         .collect();
     for (e, ratio) in ratios.iter().enumerate() {
         let want = min[e.min(min.len() - 1)];
-        assert!(ratio >= &want, "epoch {e}: hit ratio {ratio:.4} < {want}; {after}");
+        assert!(
+            ratio >= &want,
+            "epoch {e}: hit ratio {ratio:.4} < {want}; {after}"
+        );
     }
-    assert_eq!(after["prediction"], format!("detected: {expected}"), "{after}");
+    assert_eq!(
+        after["prediction"],
+        format!("detected: {expected}"),
+        "{after}"
+    );
     assert_eq!(after["mode"], "predicting", "{after}");
     let last_epoch = &at[at.len() - 2];
     assert_eq!(
@@ -1165,11 +1200,19 @@ fn auto_finds_a_distributed_sampler_with_seed_42() {
 #[test]
 fn auto_finds_a_resumed_job_at_its_epoch() {
     let flags = "--sampler torch-distributed --seed 0 --world-size 2 --ranks 0-1 --epoch 3";
-    detected_ranks(&["--seed", "0", "--start-epoch", "3"], flags, &AUTO_HIT_RATIOS);
+    detected_ranks(
+        &["--seed", "0", "--start-epoch", "3"],
+        flags,
+        &AUTO_HIT_RATIOS,
+    );
 }
 
 #[test]
 fn auto_finds_a_job_that_never_calls_set_epoch() {
     let flags = "--sampler torch-distributed --seed 0 --world-size 2 --ranks 0-1 --no-set-epoch";
-    detected_ranks(&["--seed", "0", "--no-set-epoch"], flags, &REFINED_HIT_RATIOS);
+    detected_ranks(
+        &["--seed", "0", "--no-set-epoch"],
+        flags,
+        &REFINED_HIT_RATIOS,
+    );
 }

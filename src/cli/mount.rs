@@ -66,7 +66,7 @@ pub struct MountArgs {
         help_heading = "Staging"
     )]
     pub open_timeout: u64,
-    /// How far out of order (in samples) the job's opens may come: about workers × prefetch × batch × local ranks
+    /// How far from the reader (in samples) an open is still matched to the prediction; it counts as predicted within min(N, epoch/4), so allow about 2 × workers × prefetch × batch × local ranks
     #[arg(
         long,
         default_value_t = 65_536,

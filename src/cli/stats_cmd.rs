@@ -15,7 +15,7 @@ use clap::Args;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::daemon::mounts;
-use crate::stats::Snapshot;
+use crate::stats::{EpochQuality, Snapshot};
 
 #[derive(Args, Debug)]
 pub struct StatsArgs {
@@ -132,6 +132,32 @@ fn sampler_line(s: &Snapshot) -> String {
     line
 }
 
+/// The latest epoch's share of predicted opens, then the earlier epochs' (newest first).
+fn quality_line(s: &Snapshot) -> String {
+    let Some(latest) = s.prediction_quality_by_epoch.last() else {
+        return "none yet".to_string();
+    };
+    let share = |q: &EpochQuality| q.predicted as f64 / q.opens.max(1) as f64;
+    let mut line = format!(
+        "{:.4} (epoch {}: {} of {} opens predicted)",
+        share(latest),
+        latest.epoch,
+        latest.predicted,
+        latest.opens
+    );
+    let earlier: Vec<String> = s
+        .prediction_quality_by_epoch
+        .iter()
+        .rev()
+        .skip(1)
+        .map(|q| format!("epoch {} {:.4}", q.epoch, share(q)))
+        .collect();
+    if !earlier.is_empty() {
+        line += &format!("; {}", earlier.join(", "));
+    }
+    line
+}
+
 pub fn table(s: &Snapshot) -> String {
     let rows: Vec<(&str, String)> = vec![
         ("sampler", sampler_line(s)),
@@ -168,6 +194,7 @@ pub fn table(s: &Snapshot) -> String {
             format!("{} ({} wasted)", s.evictions, HumanBytes(s.wasted_bytes)),
         ),
         ("mispredictions", s.mispredictions.to_string()),
+        ("prediction quality", quality_line(s)),
         (
             "errors",
             format!("{} ({} cache-full events)", s.errors, s.cache_full_events),

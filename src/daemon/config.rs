@@ -63,7 +63,8 @@ pub struct MountConfig {
     pub retries: u32,
     /// Longest a reader waits for a copy before it gets EIO (at least one second is used).
     pub open_timeout: Duration,
-    /// How far out of order (in samples) the job's opens may come.
+    /// How far from the reader (in samples) an open is still matched; it counts as predicted
+    /// within min(window, max(256, epoch/4)) of it (see `reach` in src/plan/tracker.rs).
     pub window: u64,
     /// Stay in the foreground instead of detaching once mounted.
     pub foreground: bool,

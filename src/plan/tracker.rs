@@ -1,32 +1,50 @@
-//! Where the reader is in the predicted stream.
+//! Where the reader is in the predicted stream, and how well the prediction holds.
 //!
 //! Real loaders do not open files in stream order: DataLoader workers each take whole batches
 //! and run `prefetch_factor` batches ahead, local ranks interleave, padding repeats a file in
 //! an epoch and every file recurs next epoch. The tracker matches each open to the earliest
 //! unread planned position of that file within a tolerance window around the cursor, keeps
-//! the cursor at the low-water mark of what was read (positions left behind by more than the
-//! window count as skipped), and crosses epoch boundaries as reads move on.
+//! the cursor at the low-water mark of what was read (positions left far behind count as
+//! skipped), and crosses epoch boundaries as reads move on.
 //!
-//! Opens that match nothing are mispredictions. When most recent opens miss, the tracker
-//! declares itself lost; the stager then searches for the epoch and position the recent opens
-//! do follow ([`find_position`]) and either repositions the tracker or stays on demand.
+//! Matching alone proves little: on a dataset shorter than the window every file has a
+//! position inside it, so any order matches. An open therefore counts as *predicted* only if
+//! it lands within [`reach`] of the cursor, a span a uniformly random open (a wrong seed or
+//! sampler) hits with probability at most ¼. Every other open is a misprediction. When fewer
+//! than half of the recent opens were predicted the tracker declares itself lost; the stager
+//! then searches for the epoch and position the recent opens do follow ([`find_position`]) and
+//! either repositions the tracker or stays on demand.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::{Plan, Position};
 use crate::catalog::{FileId, MaybeFile};
+use crate::stats::EpochQuality;
+
+/// Smallest reach, in positions: the reordering of a small job (two workers, prefetch_factor
+/// 2, batches of 64). On epochs shorter than four times this, a quarter of the epoch would not
+/// cover it, and a wrong order can pass for a right one (such a dataset is mostly cached whole
+/// anyway).
+const MIN_REACH: u64 = 256;
+
+/// The share of an epoch the reach may cover: a random open is predicted by chance with
+/// probability at most 1 / CHANCE_DIVISOR.
+const CHANCE_DIVISOR: u64 = 4;
+
+/// Epochs whose prediction quality is kept (the reader's and the few before it).
+const QUALITY_EPOCHS: usize = 8;
 
 #[derive(Clone, Copy, Debug)]
 pub struct TrackerSettings {
-    /// Tolerance around the cursor, in positions: how far out of order opens may come. A
-    /// DataLoader with 8 workers, prefetch_factor 2, batches of 256 and 8 local ranks keeps
-    /// about 8 × 2 × 256 × 8 = 32,768 samples in flight.
+    /// How far from the cursor, in positions, an open is still matched to a planned position
+    /// (so the tracker keeps its place through unusual reordering); whether it counts as
+    /// predicted is decided by the tighter [`reach`], of which this is the upper bound.
     pub window: u64,
-    /// How many recent opens are judged for sustained misprediction.
+    /// How many recent opens are judged: the tracker is lost when fewer than half of them were
+    /// predicted. A random order is predicted with probability ≤ ¼; it reaches half of 64
+    /// opens with probability 1.5·10⁻⁵, while a right order stays near all of them.
     pub recent: usize,
-    /// How many of those must miss before the tracker gives up on its position.
-    pub lost_after: usize,
 }
 
 impl Default for TrackerSettings {
@@ -34,16 +52,28 @@ impl Default for TrackerSettings {
         TrackerSettings {
             window: 65_536,
             recent: 64,
-            lost_after: 48,
         }
     }
+}
+
+/// How far ahead of the cursor an open may land and count as predicted:
+/// min(window, max(256, epoch_len / 4)). A quarter of an epoch bounds what chance achieves
+/// (see [`TrackerSettings::recent`]); the floor covers a small job's reordering; the window is
+/// the user's bound. The cursor skips positions half a reach behind the furthest predicted
+/// open, so a loader may keep up to half a reach in flight: 32,768 samples with the defaults
+/// on an epoch of 262,144 or more, e.g. 8 workers × prefetch 2 × batches of 256 × 8 ranks.
+pub fn reach(epoch_len: u64, window: u64) -> u64 {
+    (epoch_len / CHANCE_DIVISOR)
+        .max(MIN_REACH)
+        .min(window)
+        .max(1)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TrackerMode {
     /// Opens follow the plan.
     Predicting,
-    /// Too many recent opens matched nothing; waiting for a resynchronisation.
+    /// Too few recent opens were predicted; waiting for a resynchronisation.
     Lost,
     /// No prediction at all (`--sampler none`).
     OnDemand,
@@ -52,7 +82,7 @@ pub enum TrackerMode {
 /// What one open did to the tracker.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct OpenMatch {
-    /// The planned position the open was matched to.
+    /// The planned position the open was matched to (predicted or not: a read position).
     pub position: Option<Position>,
     /// The cursor moved over `[from, to)`: files there now have a later next use.
     pub passed: Option<(Position, Position)>,
@@ -69,10 +99,14 @@ pub struct Tracker {
     /// Read positions of `base_epoch` and the next epoch, one bitmap each.
     consumed: [Vec<u64>; 2],
     cursor: Position,
+    /// The furthest predicted open.
     high_water: Position,
+    /// Recent opens and whether each was predicted.
     recent: VecDeque<(FileId, bool)>,
     recent_misses: usize,
     mispredictions: u64,
+    /// Opens and predicted opens of the last few epochs, oldest first.
+    quality: VecDeque<EpochQuality>,
 }
 
 impl Tracker {
@@ -94,6 +128,7 @@ impl Tracker {
             recent: VecDeque::with_capacity(settings.recent),
             recent_misses: 0,
             mispredictions: 0,
+            quality: VecDeque::with_capacity(QUALITY_EPOCHS),
         }
     }
 
@@ -105,8 +140,28 @@ impl Tracker {
         self.cursor
     }
 
+    /// Opens not predicted while there was a prediction: matched nowhere within reach while
+    /// predicting, and every open while lost.
     pub fn mispredictions(&self) -> u64 {
         self.mispredictions
+    }
+
+    /// Share of opens predicted in the latest epoch that had opens; `None` before the first
+    /// open and without a prediction.
+    pub fn prediction_quality(&self) -> Option<f64> {
+        self.quality
+            .back()
+            .map(|q| q.predicted as f64 / q.opens.max(1) as f64)
+    }
+
+    /// Opens and predicted opens per epoch, for the last few epochs, oldest first.
+    pub fn quality_by_epoch(&self) -> Vec<EpochQuality> {
+        self.quality.iter().copied().collect()
+    }
+
+    /// How far ahead of the cursor an open counts as predicted now (see [`reach`]).
+    fn reach(&self) -> u64 {
+        reach(self.plan.epoch_len(), self.settings.window)
     }
 
     /// (epoch, offset in epoch) of the cursor.
@@ -121,33 +176,62 @@ impl Tracker {
 
     pub fn on_open(&mut self, file: FileId) -> OpenMatch {
         let mut result = OpenMatch::default();
+        let epoch = self.base_epoch;
+        let before = self.cursor;
         let position = match self.mode {
-            TrackerMode::Predicting => self.match_open(file),
+            TrackerMode::Predicting => {
+                // A fed epoch announced since the last open may let the cursor on: judged
+                // from where the reader can be now.
+                self.advance();
+                self.match_open(file)
+            }
             TrackerMode::Lost | TrackerMode::OnDemand => None,
         };
-        if self.mode == TrackerMode::Predicting && position.is_none() {
-            self.mispredictions += 1;
-        }
-        self.remember(
-            file,
-            position.is_some() || self.mode == TrackerMode::OnDemand,
-        );
-        if let Some(pos) = position {
-            self.mark(pos);
-            self.high_water = self.high_water.max(pos);
-            let before = self.cursor;
-            self.advance();
-            if self.cursor > before {
-                result.passed = Some((before, self.cursor));
+        // Behind the cursor is not predicted either: in a wrong order skipped positions pile
+        // up there, and a legitimate late read is rare (the cursor waits half a reach).
+        let predicted =
+            position.is_some_and(|p| p >= self.cursor && p - self.cursor < self.reach());
+        if self.mode != TrackerMode::OnDemand {
+            if !predicted {
+                self.mispredictions += 1;
             }
-        } else if self.mode == TrackerMode::Predicting
-            && self.recent_misses >= self.settings.lost_after
-        {
+            self.count_quality(epoch, predicted);
+        }
+        self.remember(file, predicted || self.mode == TrackerMode::OnDemand);
+        if let Some(pos) = position {
+            // The file was read there, predicted or not; but only predicted opens move the
+            // furthest read, which drags the cursor along: chance matches must not.
+            self.mark(pos);
+            if predicted {
+                self.high_water = self.high_water.max(pos);
+            }
+            self.advance();
+        }
+        if self.cursor > before {
+            result.passed = Some((before, self.cursor));
+        }
+        if self.mode == TrackerMode::Predicting && 2 * self.recent_misses > self.settings.recent {
             self.mode = TrackerMode::Lost;
             result.became_lost = true;
         }
         result.position = position;
         result
+    }
+
+    fn count_quality(&mut self, epoch: u64, predicted: bool) {
+        if self.quality.back().is_none_or(|q| q.epoch != epoch) {
+            if self.quality.len() == QUALITY_EPOCHS {
+                self.quality.pop_front();
+            }
+            self.quality.push_back(EpochQuality {
+                epoch,
+                opens: 0,
+                predicted: 0,
+            });
+        }
+        let q = self.quality.back_mut().expect("pushed above");
+        q.opens += 1;
+        q.predicted += u64::from(predicted);
     }
 
     /// Moves the tracker to `pos` (a resynchronisation result or `stagefs epoch`)
@@ -250,27 +334,50 @@ impl Tracker {
         }
     }
 
-    /// Cursor = first unread position, but never further behind the furthest read than the
-    /// window: what a loader left that far behind it is not coming (e.g. a dropped last batch).
+    /// Cursor = first unread position, but never more than half a reach behind the furthest
+    /// predicted open: what a loader left that far behind it is not coming (e.g. a dropped
+    /// last batch), and the opens after it must stay within reach. Positions never read are
+    /// passed over at once: a sample that cannot be served, and the rest of a fed epoch
+    /// shorter than the epoch length once the next one has been announced.
     fn advance(&mut self) {
         self.cursor = self
             .cursor
-            .max(self.high_water.saturating_sub(self.settings.window));
-        while self.is_marked(self.cursor) {
-            self.cursor += 1;
-        }
-        while self.cursor >= self.plan.join(self.base_epoch + 1, 0) {
-            // Slide the two epoch bitmaps forward by one epoch.
-            self.consumed.swap(0, 1);
-            self.consumed[1].fill(0);
-            self.base_epoch += 1;
+            .max(self.high_water.saturating_sub(self.reach() / 2));
+        loop {
+            if self.is_marked(self.cursor) {
+                self.cursor += 1;
+            } else {
+                let (epoch, offset) = self.plan.split(self.cursor);
+                match self.plan.planned(epoch) {
+                    Some(plan)
+                        if offset >= plan.len()
+                            && self
+                                .plan
+                                .planned(epoch + 1)
+                                .is_some_and(|next| next.len() > 0) =>
+                    {
+                        self.cursor = self.plan.join(epoch + 1, 0);
+                    }
+                    Some(plan) if offset < plan.len() && plan.file_at(offset).is_none() => {
+                        self.cursor += 1;
+                    }
+                    _ => break,
+                }
+            }
+            while self.cursor >= self.plan.join(self.base_epoch + 1, 0) {
+                // Slide the two epoch bitmaps forward by one epoch.
+                self.consumed.swap(0, 1);
+                self.consumed[1].fill(0);
+                self.base_epoch += 1;
+            }
         }
     }
 }
 
 /// Searches epochs `epochs` for the place the recent opens follow: the epoch and offset where
-/// most of them fall within one window. Returns the position just after the latest matched
-/// open, or `None` if no epoch explains at least three quarters of them.
+/// most of them fall within one [`reach`] (of `window`), a span chance does not fill. Returns
+/// the position just after the latest matched open, or `None` if no epoch explains at least
+/// three quarters of them.
 pub fn find_position(
     plan: &Plan,
     recent: &[FileId],
@@ -280,9 +387,10 @@ pub fn find_position(
     if recent.is_empty() || !plan.predicts() {
         return None;
     }
+    let span = reach(plan.epoch_len(), window);
     let mut best: Option<(usize, Position)> = None;
     for epoch in epochs {
-        if let Some((count, offset)) = densest_run(&plan.stream(epoch), recent, window)
+        if let Some((count, offset)) = densest_run(&plan.stream(epoch), recent, span)
             && best.is_none_or(|(c, _)| count > c)
         {
             best = Some((count, plan.join(epoch, offset)));
@@ -462,6 +570,131 @@ mod tests {
         assert_eq!(t.epoch_position(), (1, 0));
     }
 
+    /// Whether `t` predicted every one of `opens` (fed in order) and how far it got.
+    fn all_predicted(t: &mut Tracker, opens: &[FileId]) -> bool {
+        let before = t.mispredictions();
+        for &f in opens {
+            planned_open(t, f);
+        }
+        t.mispredictions() == before
+    }
+
+    /// The order `workers` DataLoader workers open an epoch in: worker w takes batches w,
+    /// w + workers, ... and reads each in order; the workers take turns open by open.
+    fn worker_order(stream: &[FileId], batch: usize, workers: usize) -> Vec<FileId> {
+        let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
+        let mut queues: Vec<Vec<FileId>> = (0..workers)
+            .map(|w| {
+                let mine = batches.iter().skip(w).step_by(workers);
+                mine.flat_map(|b| b.iter().copied()).rev().collect()
+            })
+            .collect();
+        let mut order = Vec::with_capacity(stream.len());
+        while order.len() < stream.len() {
+            for q in &mut queues {
+                order.extend(q.pop());
+            }
+        }
+        order
+    }
+
+    #[test]
+    fn a_wrong_seed_on_a_dataset_shorter_than_the_window_gets_lost_and_keeps_counting() {
+        // Every file has a position within the default window: matching alone accepts anything.
+        let p = plan(2000, SamplerKind::TorchRandom, 1);
+        let mut t = Tracker::new(p, TrackerSettings::default());
+        let reader = plan(2000, SamplerKind::TorchRandom, 2).files(0);
+        let mut lost_at = None;
+        for (i, &f) in reader.iter().enumerate() {
+            if planned_open(&mut t, f).became_lost {
+                lost_at = Some(i);
+            }
+        }
+        let lost_at = lost_at.expect("lost within the epoch");
+        assert!(lost_at < 100, "lost only after {} opens", lost_at + 1);
+        assert_eq!(t.mode(), TrackerMode::Lost);
+        // Lost, every open is one stagefs did not predict: the count went on to the end.
+        assert_eq!(t.mispredictions(), 2000 - t.quality_by_epoch()[0].predicted);
+        let q = t.quality_by_epoch();
+        assert_eq!((q.len(), q[0].epoch, q[0].opens), (1, 0, 2000));
+        assert!(t.prediction_quality().unwrap() < 0.05, "{q:?}");
+    }
+
+    #[test]
+    fn dataloader_workers_reordering_batches_stay_predicted_over_three_epochs() {
+        for workers in [2, 4] {
+            let p = plan(2000, SamplerKind::TorchRandom, 1);
+            let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+            for epoch in 0..3 {
+                let order = worker_order(&p.files(epoch), 32, workers);
+                assert!(
+                    all_predicted(&mut t, &order),
+                    "{workers} workers, epoch {epoch}"
+                );
+                assert_eq!(t.epoch_position(), (epoch + 1, 0));
+            }
+            let per_epoch: Vec<(u64, u64, u64)> = t
+                .quality_by_epoch()
+                .iter()
+                .map(|q| (q.epoch, q.opens, q.predicted))
+                .collect();
+            assert_eq!(
+                per_epoch,
+                [(0, 2000, 2000), (1, 2000, 2000), (2, 2000, 2000)]
+            );
+            assert_eq!(t.prediction_quality(), Some(1.0));
+        }
+    }
+
+    #[test]
+    fn two_local_ranks_drifting_apart_stay_predicted() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchDistributed);
+        cfg.world_size = 2;
+        let layout = Arc::new(Layout::identity(2000));
+        let p = Arc::new(Plan::new(cfg, vec![0, 1], layout, 2000).unwrap());
+        let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+        // A fixed pseudo-random schedule: either rank may run up to 24 samples ahead.
+        let mut rng = 0x2545_f491_u64;
+        for epoch in 0..3 {
+            // Rank r's i-th sample is at position 2i + r of the merged node stream.
+            let merged = p.files(epoch);
+            let mut next = [0usize; 2];
+            let mut order = Vec::new();
+            while next[0] + next[1] < merged.len() {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let mut r = (rng >> 33) as usize % 2;
+                if next[r] >= next[1 - r] + 24 || 2 * next[r] + r >= merged.len() {
+                    r = 1 - r;
+                }
+                order.push(merged[2 * next[r] + r]);
+                next[r] += 1;
+            }
+            assert!(all_predicted(&mut t, &order), "epoch {epoch}");
+        }
+        assert_eq!(t.mispredictions(), 0);
+        assert_eq!(t.quality_by_epoch().len(), 3);
+        assert_eq!(t.prediction_quality(), Some(1.0));
+    }
+
+    #[test]
+    fn an_open_matched_beyond_reach_is_a_misprediction_and_does_not_move_the_reader() {
+        let p = plan(2000, SamplerKind::Sequential, 0);
+        let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+        let stream = p.files(0);
+        // Within the window, but 1500 positions ahead of a reader at 0 (the reach is 500).
+        let m = planned_open(&mut t, stream[1500]);
+        assert_eq!(m.position, Some(1500));
+        assert_eq!(t.mispredictions(), 1);
+        // The reader carries on from the start, predicted, and reads 1500 as the file it is.
+        assert!(all_predicted(&mut t, &stream[..1500]));
+        assert!(all_predicted(&mut t, &stream[1501..]));
+        assert_eq!(t.epoch_position(), (1, 0));
+        let q = t.quality_by_epoch();
+        assert_eq!((q[0].opens, q[0].predicted), (2000, 1999));
+    }
+
     #[test]
     fn on_demand_never_mispredicts() {
         let p = plan(10, SamplerKind::None, 0);
@@ -471,5 +704,7 @@ mod tests {
             assert_eq!(t.on_open(f), OpenMatch::default());
         }
         assert_eq!(t.mispredictions(), 0);
+        assert_eq!(t.prediction_quality(), None);
+        assert!(t.quality_by_epoch().is_empty());
     }
 }

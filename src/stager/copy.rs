@@ -119,6 +119,9 @@ impl Inner {
                         let next = self.plan.next_use(file, st.tracker.cursor());
                         st.space.evict.set_next_use(file, next);
                     }
+                    // Staged ahead for a prediction dropped meanwhile: first to go, as the
+                    // other copies staged for it (see `drop_next_uses`).
+                    _ if job.position.is_some() => st.space.evict.set_recently_used(file, 0),
                     _ => {
                         st.access_seq += 1;
                         let seq = st.access_seq;

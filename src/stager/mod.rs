@@ -414,6 +414,8 @@ impl Stager {
             cache_capacity_bytes: st.space.capacity,
             cached_files: st.space.evict.len() as u64,
             mispredictions: st.tracker.mispredictions(),
+            prediction_quality: st.tracker.prediction_quality(),
+            prediction_quality_by_epoch: st.tracker.quality_by_epoch(),
             epoch,
             position,
             epoch_len: self.inner.plan.epoch_len(),

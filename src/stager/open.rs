@@ -169,6 +169,9 @@ impl Inner {
                 }
             }
             TrackerMode::Lost | TrackerMode::OnDemand => {
+                if m.became_lost {
+                    self.drop_next_uses(st);
+                }
                 let seq = st.access_seq;
                 if st.space.evict.contains(file) {
                     st.space.evict.set_recently_used(file, seq);

@@ -111,6 +111,16 @@ impl Inner {
         }
     }
 
+    /// The tracker is lost: next uses mean nothing any more. Every cached file becomes less
+    /// recently used than whatever the reader opens from now on, so copies staged for the
+    /// abandoned prediction go first (counted as wasted if nobody read them) instead of holding
+    /// the cache under position keys, which rank below every LRU stamp and no open moves.
+    pub(super) fn drop_next_uses(&self, st: &mut State) {
+        for file in st.space.evict.files() {
+            st.space.evict.set_recently_used(file, 0);
+        }
+    }
+
     /// Moves the tracker (and with it the frontier) to `pos`.
     pub(super) fn reposition(&self, st: &mut State, pos: Position) {
         st.tracker.reposition(pos);

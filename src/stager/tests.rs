@@ -247,27 +247,12 @@ impl Harness {
         assert!(got == self.expected(file), "file {file}: wrong bytes");
     }
 
-    /// Reads one epoch of the node stream like a DataLoader: `workers` threads each take
-    /// every `workers`-th batch, read it in order, then "compute" for `compute`.
+    /// Reads one epoch of the node stream like a DataLoader (see [`read_batches`]).
     fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
         // The planner plans an epoch once the cursor enters the one before, off the reader's
         // path; a real job takes that long to reach it, these tiny epochs may not.
         assert!(self.eventually(|| self.plan.planned(epoch).is_some()));
-        let stream = self.plan.files(epoch);
-        let batches: Vec<&[FileId]> = stream.chunks(batch).collect();
-        std::thread::scope(|s| {
-            for w in 0..workers {
-                let batches = &batches;
-                s.spawn(move || {
-                    for b in batches.iter().skip(w).step_by(workers) {
-                        for &f in b.iter() {
-                            self.check(f);
-                        }
-                        std::thread::sleep(compute);
-                    }
-                });
-            }
-        });
+        read_batches(self, &self.plan.files(epoch), batch, workers, compute);
     }
 
     fn get(&self, c: &AtomicU64) -> u64 {
@@ -372,6 +357,59 @@ fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
         "the cache was too small to keep everything"
     );
     assert_eq!(gauges.mispredictions, 0);
+}
+
+#[test]
+fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
+    // stagefs is told rank 0 of 2; the job on this node reads rank 1's share (a wrong --rank),
+    // or rank 0's (right).
+    for reader_rank in [1, 0] {
+        let mut setup = Setup::new(400, SamplerKind::TorchDistributed);
+        setup.sampler.world_size = 2;
+        setup.capacity_share = 0.3;
+        setup.min = 1_000;
+        setup.max = 2_000;
+        let h = setup.build();
+        let capacity = h.stager().gauges().cache_capacity_bytes;
+        // Before the first open, the frontier fills the cache with rank 0's files.
+        assert!(h.eventually(|| h.stager().gauges().cache_used_bytes > capacity / 2));
+        let mut reader_cfg = h.plan.sampler().clone();
+        reader_cfg.world_size = 2;
+        let reader = Plan::new(
+            reader_cfg,
+            vec![reader_rank],
+            h.plan.layout().clone(),
+            h.catalog.len(),
+        )
+        .unwrap();
+        let mut read = HashSet::new();
+        for epoch in 0..2 {
+            let files = reader.files(epoch);
+            read_files(&h, &files, 8, 2);
+            read.extend(files);
+        }
+        let g = h.stager().gauges();
+        let wasted = h.get(&h.counters.wasted_bytes);
+        if reader_rank == 1 {
+            // A few opens fall on rank 0's next epoch by chance; the rest are mispredictions,
+            // lost or not.
+            assert_eq!(g.mode, "lost");
+            assert!(g.mispredictions >= 390, "{g:?}");
+            assert!(g.prediction_quality.unwrap() < 0.05, "{g:?}");
+            // The copies made for rank 0 and never read went first, counted as wasted.
+            let unread = h.plan.files(0).into_iter().filter(|f| !read.contains(f));
+            assert_eq!(h.stager().cached_count(unread), 0);
+            assert!(wasted > capacity / 2, "{wasted} bytes wasted of {capacity}");
+        } else {
+            assert_eq!((g.mode, g.mispredictions), ("predicting", 0));
+            assert_eq!(g.prediction_quality, Some(1.0));
+            let staged = h.get(&h.counters.staged_bytes);
+            assert!(
+                wasted * 100 <= staged,
+                "{wasted} bytes wasted of {staged} staged"
+            );
+        }
+    }
 }
 
 #[test]
@@ -859,18 +897,35 @@ fn announced_order(h: &Harness, rank: u32, epoch: u64) -> Vec<FileId> {
     files
 }
 
-/// Reads `files` in order like DataLoader workers, each taking every `workers`-th batch and
-/// computing 20 ms after it: time for the stager to keep ahead even on a loaded machine (a
-/// 30% cache lets it get only that far ahead).
+/// Reads `files` like DataLoader workers computing 20 ms after each batch: time for the
+/// stager to keep ahead even on a loaded machine (a 30% cache lets it get only that far ahead).
 fn read_files(h: &Harness, files: &[FileId], batch: usize, workers: usize) {
+    read_batches(h, files, batch, workers, Duration::from_millis(20));
+}
+
+/// Reads `files` like a DataLoader: `workers` threads each take every `workers`-th batch, read
+/// it in order, then "compute" for `compute`. As with prefetch_factor 2, a worker starts batch
+/// k only once every batch before k − 2 × workers is done: a real loader's reordering is
+/// bounded that way, and the tracker counts opens further out of order as mispredictions.
+fn read_batches(h: &Harness, files: &[FileId], batch: usize, workers: usize, compute: Duration) {
     let batches: Vec<&[FileId]> = files.chunks(batch).collect();
+    // (batches done in order from the first, which are done)
+    let done = Mutex::new((0, vec![false; batches.len()]));
     std::thread::scope(|s| {
         for w in 0..workers {
-            let batches = &batches;
+            let (batches, done) = (&batches, &done);
             s.spawn(move || {
-                for b in batches.iter().skip(w).step_by(workers) {
-                    b.iter().for_each(|&f| h.check(f));
-                    std::thread::sleep(Duration::from_millis(20));
+                for k in (w..batches.len()).step_by(workers) {
+                    while k >= done.lock().0 + 2 * workers {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    batches[k].iter().for_each(|&f| h.check(f));
+                    std::thread::sleep(compute);
+                    let mut d = done.lock();
+                    d.1[k] = true;
+                    while d.0 < batches.len() && d.1[d.0] {
+                        d.0 += 1;
+                    }
                 }
             });
         }

@@ -23,7 +23,7 @@ const WRITE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// (metric name, type, help, value): one row per exported value.
 fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
-    vec![
+    let mut rows = vec![
         (
             "stagefs_hits_total",
             "counter",
@@ -75,7 +75,7 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
         (
             "stagefs_mispredictions_total",
             "counter",
-            "Opens that matched no predicted position.",
+            "Opens the prediction did not expect where they came (every open while lost).",
             s.mispredictions as f64,
         ),
         (
@@ -156,7 +156,17 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
             "Seconds since the mount started.",
             s.uptime_seconds,
         ),
-    ]
+    ];
+    // Absent, like its JSON null, until there is a prediction and an open to judge.
+    if let Some(quality) = s.prediction_quality {
+        rows.push((
+            "stagefs_prediction_quality",
+            "gauge",
+            "Share of the latest epoch's opens that were predicted.",
+            quality,
+        ));
+    }
+    rows
 }
 
 /// The tracker's modes, exported as a state set.

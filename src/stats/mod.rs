@@ -39,6 +39,15 @@ impl Counters {
     }
 }
 
+/// How one epoch's opens went: how many there were and how many the prediction expected
+/// where they came (see `plan::Tracker`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochQuality {
+    pub epoch: u64,
+    pub opens: u64,
+    pub predicted: u64,
+}
+
 /// Values owned by the stager rather than counted: read under its lock when a snapshot is taken.
 #[derive(Clone, Debug, Default)]
 pub struct Gauges {
@@ -46,6 +55,8 @@ pub struct Gauges {
     pub cache_capacity_bytes: u64,
     pub cached_files: u64,
     pub mispredictions: u64,
+    pub prediction_quality: Option<f64>,
+    pub prediction_quality_by_epoch: Vec<EpochQuality>,
     pub epoch: u64,
     pub position: u64,
     pub epoch_len: u64,
@@ -81,8 +92,17 @@ pub struct Snapshot {
     pub evictions: u64,
     /// Bytes staged and evicted before anyone read them.
     pub wasted_bytes: u64,
-    /// Opens that matched no predicted position.
+    /// Opens the prediction did not expect where they came (none within reach of the reader's
+    /// position), and every open while `lost`; none `on-demand`.
     pub mispredictions: u64,
+    /// Share of the latest epoch's opens that were predicted, 0 to 1; null before the first
+    /// open and without a prediction (`on-demand`).
+    #[serde(default)]
+    pub prediction_quality: Option<f64>,
+    /// The same per epoch (the tracker's epoch at each open), for the last 8 epochs with opens:
+    /// `{"epoch", "opens", "predicted"}`.
+    #[serde(default)]
+    pub prediction_quality_by_epoch: Vec<EpochQuality>,
     pub errors: u64,
     pub cache_full_events: u64,
     /// Files found complete in the cache at mount time and kept.
@@ -134,6 +154,8 @@ impl Snapshot {
             evictions: Counters::get(&c.evictions),
             wasted_bytes: Counters::get(&c.wasted_bytes),
             mispredictions: g.mispredictions,
+            prediction_quality: g.prediction_quality,
+            prediction_quality_by_epoch: g.prediction_quality_by_epoch,
             errors: Counters::get(&c.errors),
             cache_full_events: Counters::get(&c.cache_full_events),
             reused_files: Counters::get(&c.reused_files),
