@@ -363,8 +363,9 @@ fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
 fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
     // stagefs is told rank 0 of 2; the job on this node reads rank 1's share (a wrong --rank),
     // or rank 0's (right).
+    // Epochs four times the smallest reach, so that chance cannot place the wrong opens.
     for reader_rank in [1, 0] {
-        let mut setup = Setup::new(400, SamplerKind::TorchDistributed);
+        let mut setup = Setup::new(2_000, SamplerKind::TorchDistributed);
         setup.sampler.world_size = 2;
         setup.capacity_share = 0.3;
         setup.min = 1_000;
@@ -394,7 +395,7 @@ fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
             // A few opens fall on rank 0's next epoch by chance; the rest are mispredictions,
             // lost or not.
             assert_eq!(g.mode, "lost");
-            assert!(g.mispredictions >= 390, "{g:?}");
+            assert!(g.mispredictions >= 1_950, "{g:?}");
             assert!(g.prediction_quality.unwrap() < 0.05, "{g:?}");
             // The copies made for rank 0 and never read went first, counted as wasted.
             let unread = h.plan.files(0).into_iter().filter(|f| !read.contains(f));
