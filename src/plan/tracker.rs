@@ -199,9 +199,13 @@ impl Tracker {
         }
         self.remember(file, predicted || self.mode == TrackerMode::OnDemand);
         if let Some(pos) = position {
-            // The file was read there, predicted or not; but only predicted opens move the
-            // furthest read, which drags the cursor along: chance matches must not.
-            self.mark(pos);
+            // A late read behind the cursor was read there; a match beyond reach is chance
+            // (or a file read again early), and marking it would make the real read of that
+            // position a misprediction in turn, epoch after epoch. Only predicted opens move
+            // the furthest read, which drags the cursor along.
+            if predicted || pos < self.cursor {
+                self.mark(pos);
+            }
             if predicted {
                 self.high_water = self.high_water.max(pos);
             }
@@ -258,6 +262,22 @@ impl Tracker {
         for p in start..pos {
             self.mark(p);
         }
+    }
+
+    /// Takes `files` as read where they are predicted from the cursor on (the opens that led to
+    /// a [`reposition`](Self::reposition) at the first of them), leaving what they skipped
+    /// unread: files still in flight then match when they come.
+    pub fn replay(&mut self, files: &[FileId]) {
+        for &file in files {
+            if let Some(pos) = self.match_open(file)
+                && pos >= self.cursor
+                && pos - self.cursor < self.reach()
+            {
+                self.mark(pos);
+                self.high_water = self.high_water.max(pos);
+            }
+        }
+        self.advance();
     }
 
     /// Stops predicting until the next [`reposition`](Self::reposition): the plan's order was
@@ -390,18 +410,29 @@ pub fn find_position(
     let span = reach(plan.epoch_len(), window);
     let mut best: Option<(usize, Position)> = None;
     for epoch in epochs {
-        if let Some((count, offset)) = densest_run(&plan.stream(epoch), recent, span)
+        if let Some(Run { count, after, .. }) = densest_run(&plan.stream(epoch), recent, span)
             && best.is_none_or(|(c, _)| count > c)
         {
-            best = Some((count, plan.join(epoch, offset)));
+            best = Some((count, plan.join(epoch, after)));
         }
     }
     best.map(|(_, pos)| pos)
 }
 
+/// Where a run of opens lies in one epoch's stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// How many of the opens it places.
+    pub count: usize,
+    /// Offset of the first of them.
+    pub first: u64,
+    /// Offset just after the last of them.
+    pub after: u64,
+}
+
 /// Where in `stream` (one epoch) the most of the files of `recent` fall within one window, if
-/// at least three quarters of them do: (how many, offset just after the last of them).
-pub fn densest_run(stream: &[MaybeFile], recent: &[FileId], window: u64) -> Option<(usize, u64)> {
+/// at least three quarters of them do.
+pub fn densest_run(stream: &[MaybeFile], recent: &[FileId], window: u64) -> Option<Run> {
     let wanted: HashSet<FileId> = recent.iter().copied().collect();
     let needed = (wanted.len() * 3).div_ceil(4).max(1);
     let hits: Vec<u64> = stream
@@ -411,15 +442,19 @@ pub fn densest_run(stream: &[MaybeFile], recent: &[FileId], window: u64) -> Opti
         .map(|(o, _)| o as u64)
         .collect();
     // Densest run of hits spanning at most one window (two-pointer sweep).
-    let mut best: Option<(usize, u64)> = None;
+    let mut best: Option<Run> = None;
     let mut lo = 0;
     for hi in 0..hits.len() {
         while hits[hi] - hits[lo] > window {
             lo += 1;
         }
         let count = hi - lo + 1;
-        if count >= needed && best.is_none_or(|(c, _)| count > c) {
-            best = Some((count, hits[hi] + 1));
+        if count >= needed && best.is_none_or(|b| count > b.count) {
+            best = Some(Run {
+                count,
+                first: hits[lo],
+                after: hits[hi] + 1,
+            });
         }
     }
     best

@@ -264,12 +264,17 @@ impl Inner {
             self.plan.adopt(prepared);
             st.tracker.recent_files()
         };
-        let window = self.settings.tracker.window;
-        let pos = crate::plan::find_position(&self.plan, &recent, epoch..epoch + 1, window)
-            .unwrap_or_else(|| self.plan.join(epoch, 0));
+        let stream = self.plan.stream(epoch);
+        let span = crate::plan::reach(stream.len() as u64, self.settings.tracker.window);
+        // From the first of the recent opens on: what they skipped is still to come.
+        let first = crate::plan::densest_run(&stream, &recent, span).map_or(0, |run| run.first);
         self.plan.epoch(epoch + 1);
         let mut st = self.state.lock();
-        self.reposition(&mut st, pos);
+        // Again under the lock: the opens since are the reader's too.
+        let recent = st.tracker.recent_files();
+        self.reposition(&mut st, self.plan.join(epoch, first));
+        st.tracker.replay(&recent);
+        st.frontier = st.frontier.max(st.tracker.cursor());
         st.lost_reported = false;
         drop(st);
         self.work.notify_all();

@@ -120,10 +120,10 @@ impl Inner {
             for epoch in around_epoch.saturating_sub(1)..=around_epoch + 1 {
                 let stream = self.plan.stream_of(&variant, epoch);
                 let span = crate::plan::reach(stream.len() as u64, window);
-                if let Some((count, _)) = crate::plan::densest_run(&stream, recent, span)
-                    && best.as_ref().is_none_or(|(c, ..)| count > *c)
+                if let Some(run) = crate::plan::densest_run(&stream, recent, span)
+                    && best.as_ref().is_none_or(|(c, ..)| run.count > *c)
                 {
-                    best = Some((count, variant.clone(), epoch));
+                    best = Some((run.count, variant.clone(), epoch));
                 }
             }
         }
