@@ -159,7 +159,7 @@ fn quality_line(s: &Snapshot) -> String {
 }
 
 pub fn table(s: &Snapshot) -> String {
-    let rows: Vec<(&str, String)> = vec![
+    let mut rows: Vec<(&str, String)> = vec![
         ("sampler", sampler_line(s)),
         ("prediction", s.prediction.clone()),
         (
@@ -209,6 +209,9 @@ pub fn table(s: &Snapshot) -> String {
         ),
         ("uptime", format!("{:.0} s", s.uptime_seconds)),
     ];
+    if !s.hint.is_empty() {
+        rows.insert(2, ("hint", s.hint.clone()));
+    }
     rows.iter().map(|(k, v)| format!("{k:<24}{v}\n")).collect()
 }
 

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::mt19937::Mt19937;
+use super::mt19937::{FIRST_OUTPUTS_MAX, Mt19937, first_outputs};
 use super::{GeneratorSource, SamplerConfig, SamplerKind, numpy};
 
 /// Seeds tried for every sampler before the plain range: what papers, tutorials and
@@ -64,21 +64,35 @@ pub struct Detection {
 /// none). `None` when no candidate explains them, or when the dataset is too small for a
 /// match to mean anything.
 pub fn detect(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detection> {
-    let judged = Judge::new(len, world_size, opens)?;
-    judged
-        .torch_distributed()
-        .or_else(|| judged.torch_random())
-        .or_else(|| judged.numpy())
+    let judge = Judge::new(len, world_size, opens)?;
+    // The usual seeds of every sampler first, then the whole ranges, torch's (cheap) first.
+    judge
+        .torch(USUAL_SEEDS.into_iter())
+        .or_else(|| judge.numpy(USUAL_SEEDS.into_iter()))
+        .or_else(|| judge.torch((0..TORCH_SEEDS).chain(resumed_usual_seeds())))
+        .or_else(|| {
+            let affordable = NUMPY_BUDGET_DRAWS / (2 * len.max(1));
+            judge.numpy((0..TORCH_SEEDS).take(affordable as usize))
+        })
 }
 
 /// The observed opens, and how candidates are judged against them.
 struct Judge<'a> {
     len: u64,
     world_size: u32,
-    /// The rank with the most opens, which the search runs on.
+    /// The rank with the most opens, which the search runs on, as a rank of a sampler that
+    /// reads the whole order, and (with several ranks) as a DistributedSampler's rank.
     main: Prefix,
+    main_distributed: Option<Prefix>,
     /// The ranks a candidate is verified on once it passes on `main`.
     all: &'a [RankOpens],
+}
+
+/// A candidate's random numbers: MT19937 seeded with `seed`, read from output `skip` on.
+#[derive(Clone, Copy)]
+struct Draws {
+    seed: u32,
+    skip: u64,
 }
 
 /// One rank's opens as a lookup set, and how many of the candidate's first positions to
@@ -137,51 +151,51 @@ impl Prefix {
 
 impl<'a> Judge<'a> {
     fn new(len: u64, world_size: u32, all: &'a [RankOpens]) -> Option<Judge<'a>> {
+        let world_size = world_size.max(1);
         let busiest = all.iter().max_by_key(|r| r.indices.len())?;
-        // Every sampler but DistributedSampler gives each rank the whole order.
         let main = Prefix::new(busiest, len)?;
+        let main_distributed = (world_size > 1)
+            .then(|| Prefix::new(busiest, len.div_ceil(u64::from(world_size))))
+            .flatten();
         Some(Judge {
             len,
-            world_size: world_size.max(1),
+            world_size,
             main,
+            main_distributed,
             all,
         })
     }
 
-    /// The other ranks' opens, for verification against a candidate that passed on `main`.
-    fn others(&self) -> impl Iterator<Item = &RankOpens> {
-        self.all.iter().filter(|r| r.rank != self.main.rank)
+    /// The other ranks' opens, as prefixes of orders of `samples` per rank.
+    fn others(&self, samples: u64) -> impl Iterator<Item = Prefix> + '_ {
+        self.all
+            .iter()
+            .filter(|r| r.rank != self.main.rank && r.rank < self.world_size)
+            .filter_map(move |r| Prefix::new(r, samples))
+    }
+
+    /// The torch samplers with generator seed `seed`, for each of `seeds` in turn.
+    fn torch(&self, mut seeds: impl Iterator<Item = u64>) -> Option<Detection> {
+        seeds.find_map(|seed| {
+            self.torch_distributed(seed)
+                .or_else(|| self.torch_random(seed))
+        })
     }
 
     /// `DistributedSampler(shuffle=True)`: rank r reads `randperm(n, seed + epoch)[r::world]`.
-    fn torch_distributed(&self) -> Option<Detection> {
-        if self.world_size == 1 {
-            // One replica reads `randperm(n, seed)`, which is also a RandomSampler with its own
-            // generator at epoch 0: torch_random() finds it as that, and the next epoch tells.
-            return None;
-        }
-        let samples = self.len.div_ceil(u64::from(self.world_size));
-        let main = Prefix::new(self.all.iter().find(|r| r.rank == self.main.rank)?, samples)?;
-        let fits = |rank: u32, prefix: &Prefix, seed: u64| {
-            let mut perm = SparsePermutation::new(self.len, Mt19937::new(seed as u32));
-            let stride = u64::from(self.world_size);
-            let mut next = u64::from(rank);
-            prefix.matches(|| {
-                let index = perm.at(next);
-                next += stride;
-                index
-            })
+    /// (One replica reads `randperm(n, seed)`, which is also a RandomSampler with its own
+    /// generator at epoch 0: torch_random finds it as that, and the next epoch tells.)
+    fn torch_distributed(&self, seed: u64) -> Option<Detection> {
+        let main = self.main_distributed.as_ref()?;
+        let draws = Draws {
+            seed: seed as u32,
+            skip: 0,
         };
-        let seed = distributed_seeds().find(|&s| fits(main.rank, &main, s))?;
-        let verified = self.others().all(|r| {
-            r.rank >= self.world_size
-                || Prefix::new(r, samples).is_none_or(|p| fits(r.rank, &p, seed))
-        });
-        if !verified {
-            log::info!(
-                "detection: seed {seed} fits rank {} but not the others",
-                main.rank
-            );
+        let stride = u64::from(self.world_size);
+        let samples = self.len.div_ceil(stride);
+        if !self.fits(main, draws, stride)
+            || !self.others(samples).all(|p| self.fits(&p, draws, stride))
+        {
             return None;
         }
         let (seed, epoch) = split_seed_and_epoch(seed);
@@ -191,69 +205,89 @@ impl<'a> Judge<'a> {
         Some(Detection { sampler, epoch })
     }
 
-    /// `RandomSampler` at epoch 0, drawing from a `DataLoader(generator=g)`, from its own
-    /// `RandomSampler(generator=g)`, or from the global generator after `torch.manual_seed`.
-    fn torch_random(&self) -> Option<Detection> {
-        for seed in USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS) {
-            let fresh = Mt19937::new(seed as u32);
-            // The loader draws its base seed (one random64) before the sampler's randperm.
-            let candidates = [
-                (GeneratorSource::Sampler, fresh.clone(), 0),
-                (GeneratorSource::Loader, fresh.clone(), 2),
-            ];
-            for (generator, mut g, skip) in candidates {
-                g.discard(skip);
-                if self.fits_everywhere(|| SparsePermutation::new(self.len, g.clone())) {
-                    return Some(self.random(generator, seed));
-                }
-            }
-            // Global: after the base seed, the sampler draws a random64 whose low half seeds
-            // its private generator.
-            let mut global = fresh;
-            global.discard(3);
-            let private = Mt19937::new(global.next_u32());
-            if self.fits_everywhere(|| SparsePermutation::new(self.len, private.clone())) {
-                return Some(self.random(GeneratorSource::Global, seed));
-            }
-        }
-        None
-    }
-
-    fn random(&self, generator: GeneratorSource, seed: u64) -> Detection {
+    /// `RandomSampler` at epoch 0, drawing from its own `RandomSampler(generator=g)`, from a
+    /// `DataLoader(generator=g)` (after the loader's base seed, one random64), or from the
+    /// global generator after `torch.manual_seed` (a private generator seeded with the low
+    /// half of the random64 drawn after the base seed).
+    fn torch_random(&self, seed: u64) -> Option<Detection> {
+        let mut first = [0u32; 4];
+        first_outputs(seed as u32, &mut first);
+        let candidates = [
+            (
+                GeneratorSource::Sampler,
+                Draws {
+                    seed: seed as u32,
+                    skip: 0,
+                },
+            ),
+            (
+                GeneratorSource::Loader,
+                Draws {
+                    seed: seed as u32,
+                    skip: 2,
+                },
+            ),
+            (
+                GeneratorSource::Global,
+                Draws {
+                    seed: first[3],
+                    skip: 0,
+                },
+            ),
+        ];
+        let (generator, _) = candidates.into_iter().find(|&(_, draws)| {
+            self.fits(&self.main, draws, 1)
+                && self.others(self.len).all(|p| self.fits(&p, draws, 1))
+        })?;
         let mut sampler = SamplerConfig::new(SamplerKind::TorchRandom);
         sampler.seed = i128::from(seed);
         sampler.generator = generator;
         sampler.world_size = self.world_size;
-        Detection { sampler, epoch: 0 }
+        Some(Detection { sampler, epoch: 0 })
     }
 
-    /// Whether a permutation every rank reads whole starts with every rank's opens.
-    fn fits_everywhere(&self, fresh: impl Fn() -> SparsePermutation) -> bool {
-        let fits = |prefix: &Prefix| {
-            let mut perm = fresh();
-            let mut next = 0;
+    /// Whether the permutation `draws` make, read at `prefix.rank`, `+ stride`, ... (a
+    /// DistributedSampler's share; every position for `stride` 1), starts with the opens.
+    fn fits(&self, prefix: &Prefix, draws: Draws, stride: u64) -> bool {
+        let rank = if stride == 1 {
+            0
+        } else {
+            u64::from(prefix.rank)
+        };
+        let read = |mut perm: SparsePermutation<_>| {
+            let mut next = rank;
             prefix.matches(|| {
                 let index = perm.at(next);
-                next += 1;
+                next += stride;
                 index
             })
         };
-        fits(&self.main)
-            && self
-                .others()
-                .all(|r| Prefix::new(r, self.len).is_none_or(|p| fits(&p)))
+        // Most candidates fail on their first positions, which a few outputs give: the rank's
+        // first four with one rank, its first with several (each costs `stride` draws).
+        let quick_positions = if stride == 1 { QUICK_POSITIONS } else { 1 };
+        let last = rank + (quick_positions - 1) * stride;
+        let outputs = (draws.skip + last + 1) as usize;
+        if outputs <= FIRST_OUTPUTS_MAX && last + 1 < self.len {
+            let mut out = [0u32; FIRST_OUTPUTS_MAX];
+            first_outputs(draws.seed, &mut out[..outputs]);
+            let first = FirstPositions::new(self.len, &out[draws.skip as usize..outputs]);
+            let any = (0..quick_positions)
+                .map(|k| first.at(rank + k * stride))
+                .any(|index| prefix.contains(index));
+            if !any {
+                return false;
+            }
+        }
+        let mut g = Mt19937::new(draws.seed);
+        g.discard(u128::from(draws.skip));
+        read(SparsePermutation::new(self.len, move || g.next_u32()))
     }
 
     /// numpy's legacy `RandomState` and `default_rng` permutations at epoch 0 (the in-place
-    /// shuffle idiom reads the same first epoch), within [`NUMPY_BUDGET_DRAWS`].
-    fn numpy(&self) -> Option<Detection> {
-        let seeds = (NUMPY_BUDGET_DRAWS / (2 * self.len.max(1))).max(USUAL_SEEDS.len() as u64);
+    /// shuffle idiom reads the same first epoch), for each of `seeds`.
+    fn numpy(&self, seeds: impl Iterator<Item = u64>) -> Option<Detection> {
         let mut order = Vec::new();
-        for seed in USUAL_SEEDS
-            .into_iter()
-            .chain(0..TORCH_SEEDS)
-            .take(seeds as usize)
-        {
+        for seed in seeds {
             let kinds = [
                 (SamplerKind::NumpyLegacy, numpy::Stream::Legacy),
                 (SamplerKind::NumpyGenerator, numpy::Stream::Generator),
@@ -264,11 +298,7 @@ impl<'a> Judge<'a> {
                     let mut it = order.iter().copied();
                     prefix.matches(|| it.next())
                 };
-                let verified = fits(&self.main)
-                    && self
-                        .others()
-                        .all(|r| Prefix::new(r, self.len).is_none_or(|p| fits(&p)));
-                if verified {
+                if fits(&self.main) && self.others(self.len).all(|p| fits(&p)) {
                     let mut sampler = SamplerConfig::new(kind);
                     sampler.seed = i128::from(seed);
                     sampler.world_size = self.world_size;
@@ -319,16 +349,13 @@ pub fn variants(sampler: &SamplerConfig, lost_epoch: u64) -> Vec<SamplerConfig> 
     out
 }
 
-/// Generator seeds (`seed + epoch`) a DistributedSampler may use, most likely first.
-fn distributed_seeds() -> impl Iterator<Item = u64> {
-    let resumed_usual = USUAL_SEEDS
-        .into_iter()
-        .filter(|&s| s >= TORCH_SEEDS)
-        .flat_map(|s| s..s + RESUMED_EPOCHS);
+/// Generator seeds (`seed + epoch`) of a DistributedSampler resumed a few epochs past a usual
+/// seed beyond the plain range.
+fn resumed_usual_seeds() -> impl Iterator<Item = u64> {
     USUAL_SEEDS
         .into_iter()
-        .chain(0..TORCH_SEEDS)
-        .chain(resumed_usual)
+        .filter(|&s| s >= TORCH_SEEDS)
+        .flat_map(|s| s + 1..s + RESUMED_EPOCHS)
 }
 
 /// Epochs a resumed job is taken to be at when its generator seed is a usual seed plus a few.
@@ -365,22 +392,60 @@ impl Hasher for IndexHasher {
     }
 }
 
+/// The first positions of torch's classic `randperm(n)` from its first draws, for the quick
+/// rejection of a search: the few displaced entries kept in a list, which for a handful of
+/// steps is much cheaper than [`SparsePermutation`]'s hash map.
+struct FirstPositions {
+    displaced: Vec<(u64, u32)>,
+}
+
+impl FirstPositions {
+    /// After one Fisher-Yates step per draw (`draws.len() < n`).
+    fn new(n: u64, draws: &[u32]) -> FirstPositions {
+        let mut first = FirstPositions {
+            displaced: Vec::with_capacity(2 * draws.len()),
+        };
+        for (i, &d) in draws.iter().enumerate() {
+            let i = i as u64;
+            let z = i + u64::from(d) % (n - i);
+            let (vi, vz) = (first.at(i), first.at(z));
+            first.set(z, vi);
+            first.set(i, vz);
+        }
+        first
+    }
+
+    fn at(&self, i: u64) -> u32 {
+        self.displaced
+            .iter()
+            .find(|&&(k, _)| k == i)
+            .map_or(i as u32, |&(_, v)| v)
+    }
+
+    fn set(&mut self, i: u64, v: u32) {
+        match self.displaced.iter_mut().find(|(k, _)| *k == i) {
+            Some(slot) => slot.1 = v,
+            None => self.displaced.push((i, v)),
+        }
+    }
+}
+
 /// torch's classic `randperm(n)` (forward Fisher-Yates, `swap(a[i], a[i + draw % (n - i)])`)
 /// computed only as far as asked: position `i` is final after step `i`, and only the
-/// displaced entries are stored.
-struct SparsePermutation {
+/// displaced entries are stored. `draw` gives the generator's 32-bit outputs.
+struct SparsePermutation<D> {
     n: u64,
     steps_done: u64,
-    g: Mt19937,
+    draw: D,
     displaced: HashMap<u64, u32, BuildHasherDefault<IndexHasher>>,
 }
 
-impl SparsePermutation {
-    fn new(n: u64, g: Mt19937) -> SparsePermutation {
+impl<D: FnMut() -> u32> SparsePermutation<D> {
+    fn new(n: u64, draw: D) -> SparsePermutation<D> {
         SparsePermutation {
             n,
             steps_done: 0,
-            g,
+            draw,
             displaced: HashMap::default(),
         }
     }
@@ -397,7 +462,7 @@ impl SparsePermutation {
         // The last position takes no draw: it holds what is left.
         while self.steps_done <= position && self.steps_done + 1 < self.n {
             let i = self.steps_done;
-            let z = i + u64::from(self.g.next_u32()) % (self.n - i);
+            let z = i + u64::from((self.draw)()) % (self.n - i);
             let (vi, vz) = (self.value(i), self.value(z));
             self.displaced.insert(z, vi);
             self.displaced.insert(i, vz);
@@ -434,11 +499,27 @@ mod tests {
     }
 
     #[test]
+    fn first_positions_are_randperm_s() {
+        let version = crate::order::TorchVersion::NEWEST;
+        for n in [2u64, 3, 10, 1000] {
+            let whole = super::super::torch::randperm(n, &mut Mt19937::new(4), version);
+            let steps = (n - 1).min(20) as usize;
+            let mut draws = vec![0u32; steps];
+            first_outputs(4, &mut draws);
+            let first = FirstPositions::new(n, &draws);
+            for (i, &want) in whole.iter().enumerate().take(steps) {
+                assert_eq!(first.at(i as u64), want, "n={n} position {i}");
+            }
+        }
+    }
+
+    #[test]
     fn sparse_permutation_is_randperm() {
         let version = crate::order::TorchVersion::NEWEST;
         for n in [1u64, 2, 10, 1000] {
             let whole = super::super::torch::randperm(n, &mut Mt19937::new(9), version);
-            let mut sparse = SparsePermutation::new(n, Mt19937::new(9));
+            let mut g = Mt19937::new(9);
+            let mut sparse = SparsePermutation::new(n, move || g.next_u32());
             let got: Vec<u32> = (0..n).map(|i| sparse.at(i).unwrap()).collect();
             assert_eq!(got, whole, "n={n}");
             assert_eq!(sparse.at(n), None);

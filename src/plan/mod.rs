@@ -22,9 +22,7 @@ use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
 pub use feed::{Feed, FeedError};
-pub use tracker::{
-    Run, Tracker, TrackerMode, TrackerSettings, densest_run, find_position, reach,
-};
+pub use tracker::{Run, Tracker, TrackerMode, TrackerSettings, densest_run, find_position, reach};
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
 /// comparable across the epoch boundary.

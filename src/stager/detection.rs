@@ -275,7 +275,7 @@ impl Inner {
         self.reposition(&mut st, self.plan.join(epoch, first));
         st.tracker.replay(&recent);
         st.frontier = st.frontier.max(st.tracker.cursor());
-        st.lost_reported = false;
+        st.hint = None;
         drop(st);
         self.work.notify_all();
         Ok(())

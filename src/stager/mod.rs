@@ -166,7 +166,9 @@ struct State {
     access_seq: u64,
     opens_since_resync: u64,
     resync_running: bool,
-    lost_reported: bool,
+    /// Why the opens stopped following the prediction, and what to do: set when the tracker
+    /// gets lost (said once in the log), cleared when it predicts again.
+    hint: Option<String>,
     /// The cursor entered an epoch whose successor the planner has yet to prepare.
     replan: bool,
 }
@@ -233,7 +235,7 @@ impl Stager {
             access_seq: 0,
             opens_since_resync: 0,
             resync_running: false,
-            lost_reported: false,
+            hint: None,
             replan: false,
         };
         if plan.predicts() {
@@ -423,6 +425,7 @@ impl Stager {
             announced_ranks: self.inner.plan.fed_ranks(epoch),
             sampler: self.inner.plan.sampler().kind.to_string(),
             prediction: self.inner.prediction(epoch),
+            hint: st.hint.clone().unwrap_or_default(),
             mode: match st.tracker.mode() {
                 TrackerMode::Predicting => "predicting",
                 TrackerMode::Lost => "lost",

@@ -178,9 +178,10 @@ impl Inner {
                 }
             }
         }
-        if m.became_lost && !st.lost_reported {
-            st.lost_reported = true;
-            log::warn!("{}", self.lost_message(st));
+        if m.became_lost && st.hint.is_none() {
+            let hint = self.lost_message(st);
+            log::warn!("{hint}");
+            st.hint = Some(hint);
         }
         if st.tracker.mode() == TrackerMode::Lost {
             st.opens_since_resync += 1;

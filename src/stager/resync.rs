@@ -5,25 +5,39 @@ use std::sync::Arc;
 
 use super::{Inner, State};
 use crate::catalog::FileId;
-use crate::order::detect;
+use crate::order::{SamplerKind, detect};
 use crate::plan::{Order, Provenance, TrackerMode};
 
 /// Positions a resynchronisation may scan in total (epochs × epoch length), to bound its CPU.
 const RESYNC_BUDGET: u64 = 200_000_000;
 
 impl Inner {
+    /// What the log and the statistics say when the opens stop following the prediction: the
+    /// likely causes for this sampler, in the flags that fix them.
     pub(super) fn lost_message(&self, st: &State) -> String {
-        let s = self.plan.sampler();
-        let ranks: Vec<String> = self.plan.ranks().iter().map(|r| r.to_string()).collect();
+        let order = self.plan.order();
+        let epoch = st.tracker.epoch_position().0;
+        let causes = match order.sampler.kind {
+            SamplerKind::TorchDistributed => {
+                "a wrong --seed, --world-size or --ranks; a job that never calls \
+                 sampler.set_epoch(epoch) (--no-set-epoch); a job resumed at another epoch \
+                 (`stagefs epoch MOUNT E`)"
+            }
+            SamplerKind::TorchRandom => {
+                "a wrong --seed; the wrong --generator (loader: DataLoader(generator=g); sampler: \
+                 RandomSampler(generator=g); global: torch.manual_seed only, and nothing else may \
+                 draw from it); --persistent-workers if the DataLoader keeps its workers"
+            }
+            SamplerKind::NumpyLegacy => {
+                "a wrong --seed; np.random.shuffle(idx) each epoch (--sampler numpy-inplace)"
+            }
+            _ => "a wrong --sampler or --seed",
+        };
         format!(
-            "opens do not follow {} seed {} rank {} of {} (around epoch {}): check --sampler / --seed / --rank / --world-size, \
-             or tell stagefs the epoch with `stagefs epoch MOUNT E` (or let the job announce its order: --sampler feed); until it finds its place again \
-             stagefs caches files as they are read",
-            s.kind,
-            s.seed,
-            ranks.join(","),
-            s.world_size,
-            st.tracker.epoch_position().0
+            "opens stopped following {} around epoch {epoch}; likely causes: {causes}. \
+             Mount without prediction flags to let stagefs find the order (--sampler auto), or let \
+             the job announce it (`stagefs feed-env`). Until the opens match again, files are cached as they are read",
+            order.flags(epoch)
         )
     }
 
@@ -41,39 +55,26 @@ impl Inner {
     }
 
     fn resync(&self, recent: &[FileId], around_epoch: u64) {
+        let window = self.settings.tracker.window;
+        let find = |epochs: std::ops::Range<u64>| {
+            crate::plan::find_position(&self.plan, recent, epochs, window)
+        };
+        // The reader's epoch and the next first: a job that skipped ahead, or a loader that
+        // raced past a gap. Found in an earlier epoch or not at all, another configuration
+        // may explain the opens (a detected order is switched to it), before the search
+        // widens to every epoch a restarted or resumed job may be in.
+        let near = find(around_epoch.saturating_sub(1)..around_epoch + 2);
+        let mut found = near.filter(|&pos| self.plan.split(pos).0 >= around_epoch);
+        if found.is_none() && self.follow_variant(recent, around_epoch) {
+            self.state.lock().resync_running = false;
+            return;
+        }
         // From epoch 0 (a job restarted from scratch) to well past the current epoch (a resumed
         // job), within a CPU budget.
         let span = (RESYNC_BUDGET / self.plan.epoch_len().max(1)).clamp(2, 1000);
         let epochs = 0..around_epoch.saturating_add(span / 2).max(span);
-        let window = self.settings.tracker.window;
-        let found = crate::plan::find_position(&self.plan, recent, epochs.clone(), window);
-        let order = self.plan.order();
-        // Found nowhere, or in an earlier epoch (the job repeats one): another configuration
-        // may explain the opens better.
-        let suspicious = found.is_none_or(|pos| self.plan.split(pos).0 < around_epoch);
-        if suspicious
-            && let Some((variant, epoch)) = self.better_variant(&order, recent, around_epoch)
-        {
-            let flags = variant.flags(epoch);
-            if order.provenance == Provenance::Detected {
-                match self.switch_to(variant, epoch) {
-                    Ok(()) => {
-                        log::warn!(
-                            "--sampler auto: the job's later opens follow {flags}; predicting that"
-                        );
-                        if let Some(d) = &self.detector {
-                            d.refined(flags);
-                        }
-                        self.state.lock().resync_running = false;
-                        return;
-                    }
-                    Err(e) => log::warn!("cannot follow {flags}: {e}"),
-                }
-            } else {
-                log::warn!(
-                    "the job's opens follow {flags}: remount with those flags (or --sampler auto)"
-                );
-            }
+        if found.is_none() {
+            found = find(epochs.clone());
         }
         if let Some(pos) = found {
             // Planned before taking the lock: opens meanwhile go on.
@@ -88,7 +89,7 @@ impl Inner {
                 log::warn!(
                     "found the job's place again: epoch {e}, position {o}; staging ahead resumes"
                 );
-                st.lost_reported = false;
+                st.hint = None;
             }
             Some(_) => {}
             None => log::info!(
@@ -101,9 +102,40 @@ impl Inner {
         self.work.notify_all();
     }
 
-    /// The variant of `order` (see [`detect::variants`]) that best explains `recent` in the
-    /// epochs around `around_epoch`, if one does.
-    fn better_variant(
+    /// Whether a variant of the order (see [`detect::variants`]) explains `recent` in the
+    /// epochs around `around_epoch`: a detected order is switched to it (true); for one the
+    /// user configured, the log says which flags would predict it.
+    fn follow_variant(&self, recent: &[FileId], around_epoch: u64) -> bool {
+        let order = self.plan.order();
+        let Some((variant, epoch)) = self.best_variant(&order, recent, around_epoch) else {
+            return false;
+        };
+        let flags = variant.flags(epoch);
+        if order.provenance != Provenance::Detected {
+            let hint = format!(
+                "the job's opens follow {flags}: remount with those flags (or with none: --sampler auto)"
+            );
+            log::warn!("{hint}");
+            self.state.lock().hint = Some(hint);
+            return false;
+        }
+        match self.switch_to(variant, epoch) {
+            Ok(()) => {
+                log::warn!("--sampler auto: the job's later opens follow {flags}; predicting that");
+                if let Some(d) = &self.detector {
+                    d.refined(flags);
+                }
+                true
+            }
+            Err(e) => {
+                log::warn!("cannot follow {flags}: {e}");
+                false
+            }
+        }
+    }
+
+    /// The variant of `order` that best explains `recent` in the epochs around `around_epoch`.
+    fn best_variant(
         &self,
         order: &Order,
         recent: &[FileId],

@@ -68,6 +68,8 @@ pub struct Gauges {
     pub sampler: String,
     /// What is predicted and where it came from, as mount flags where there are some.
     pub prediction: String,
+    /// While the opens do not follow the prediction: the likely cause and the fix.
+    pub hint: String,
 }
 
 /// Everything a user may ask about a mount, under stable names (the xattr and JSON keys, in
@@ -122,6 +124,10 @@ pub struct Snapshot {
     /// (what `--sampler auto` found), `announced by the job`, `auto: searching ...`.
     #[serde(default)]
     pub prediction: String,
+    /// While the opens do not follow the prediction (`lost`): the likely cause, in the flags
+    /// that fix it. Empty otherwise.
+    #[serde(default)]
+    pub hint: String,
     /// `--sampler feed`: the ranks whose announcements the reader's epoch follows (where the
     /// order came from); empty for a computed order.
     #[serde(default)]
@@ -166,6 +172,7 @@ impl Snapshot {
             mode: g.mode.to_string(),
             sampler: g.sampler,
             prediction: g.prediction,
+            hint: g.hint,
             announced_ranks: g.announced_ranks,
             passthrough,
             uptime_seconds: started.elapsed().as_secs_f64(),

@@ -88,13 +88,17 @@ def loaders(args, ds, targets):
         sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=args.seed)
         loader = DataLoader(ds, sampler=sampler, **common_kw)
 
+        def in_step(batches):
+            # Ranks of a real DDP job stay within a step of each other: every step all-reduces
+            # gradients. Without training, a barrier per batch keeps them as close.
+            for batch in batches:
+                torch.distributed.barrier()
+                yield batch
+
         def epoch_loader(epoch):
-            # Ranks of a real DDP job stay within a step of each other (every step all-reduces
-            # gradients); without training, a barrier per epoch keeps them as close.
-            torch.distributed.barrier()
             if not args.no_set_epoch:
                 sampler.set_epoch(args.start_epoch + epoch)
-            return loader
+            return in_step(loader)
 
         return epoch_loader
     else:
