@@ -1171,6 +1171,7 @@ fn detected_ranks(args: &[&str], expected: &str, min: &[f64]) {
             delta("hits") as f64 / (delta("hits") + delta("misses")).max(1) as f64
         })
         .collect();
+    eprintln!("DEBUG {ratios:?} {after}\n{}", mount.log_text());
     for (e, ratio) in ratios.iter().enumerate() {
         let want = min[e.min(min.len() - 1)];
         assert!(

@@ -8,12 +8,13 @@
 //! candidate that passes.
 //!
 //! The first `m` positions of a torch permutation need about `m` draws of a sparse
-//! Fisher-Yates, so tens of thousands of torch seeds take well under a second. numpy shuffles
-//! from the end, so each numpy seed costs a whole permutation: fewer are tried, within a
-//! budget of draws, after the torch candidates.
+//! Fisher-Yates (and rejecting a seed, a few), so tens of thousands of torch seeds take well
+//! under a second. numpy shuffles from the end, so each numpy seed costs a whole permutation:
+//! fewer are tried, within a budget of draws, on a thread beside the torch search.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::mt19937::{FIRST_OUTPUTS_MAX, Mt19937, first_outputs};
 use super::{GeneratorSource, SamplerConfig, SamplerKind, numpy};
@@ -65,15 +66,31 @@ pub struct Detection {
 /// match to mean anything.
 pub fn detect(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detection> {
     let judge = Judge::new(len, world_size, opens)?;
-    // The usual seeds of every sampler first, then the whole ranges, torch's (cheap) first.
-    judge
-        .torch(USUAL_SEEDS.into_iter())
-        .or_else(|| judge.numpy(USUAL_SEEDS.into_iter()))
-        .or_else(|| judge.torch((0..TORCH_SEEDS).chain(resumed_usual_seeds())))
-        .or_else(|| {
-            let affordable = NUMPY_BUDGET_DRAWS / (2 * len.max(1));
-            judge.numpy((0..TORCH_SEEDS).take(affordable as usize))
-        })
+    // numpy's candidates cost a whole permutation each: they are searched on a thread of
+    // their own, beside torch's, and the first to find stops the other. Each tries the usual
+    // seeds first.
+    let found = AtomicBool::new(false);
+    let stop_others = |d: Option<Detection>| {
+        if d.is_some() {
+            found.store(true, Ordering::Relaxed);
+        }
+        d
+    };
+    std::thread::scope(|scope| {
+        let numpy = scope.spawn(|| {
+            let affordable = (NUMPY_BUDGET_DRAWS / (2 * len.max(1))) as usize;
+            let seeds = USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS);
+            stop_others(judge.numpy(seeds.take(affordable.max(USUAL_SEEDS.len())), &found))
+        });
+        let seeds = USUAL_SEEDS
+            .into_iter()
+            .chain(0..TORCH_SEEDS)
+            .chain(resumed_usual_seeds());
+        let torch = stop_others(judge.torch(seeds, &found));
+        // A panic in the numpy search only loses its answer.
+        let numpy = numpy.join().unwrap_or(None);
+        torch.or(numpy)
+    })
 }
 
 /// The observed opens, and how candidates are judged against them.
@@ -175,8 +192,11 @@ impl<'a> Judge<'a> {
     }
 
     /// The torch samplers with generator seed `seed`, for each of `seeds` in turn.
-    fn torch(&self, mut seeds: impl Iterator<Item = u64>) -> Option<Detection> {
+    fn torch(&self, mut seeds: impl Iterator<Item = u64>, stop: &AtomicBool) -> Option<Detection> {
         seeds.find_map(|seed| {
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
             self.torch_distributed(seed)
                 .or_else(|| self.torch_random(seed))
         })
@@ -285,9 +305,12 @@ impl<'a> Judge<'a> {
 
     /// numpy's legacy `RandomState` and `default_rng` permutations at epoch 0 (the in-place
     /// shuffle idiom reads the same first epoch), for each of `seeds`.
-    fn numpy(&self, seeds: impl Iterator<Item = u64>) -> Option<Detection> {
+    fn numpy(&self, seeds: impl Iterator<Item = u64>, stop: &AtomicBool) -> Option<Detection> {
         let mut order = Vec::new();
         for seed in seeds {
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
             let kinds = [
                 (SamplerKind::NumpyLegacy, numpy::Stream::Legacy),
                 (SamplerKind::NumpyGenerator, numpy::Stream::Generator),

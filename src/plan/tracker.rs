@@ -174,6 +174,18 @@ impl Tracker {
         self.recent.iter().map(|(f, _)| *f).collect()
     }
 
+    /// Files of the most recent opens that were not predicted, oldest first: where the reader
+    /// went when it left the prediction (the input to [`find_position`] once lost; the
+    /// predicted opens before them lie elsewhere, and mixed in they can make the new place
+    /// unrecognisable, e.g. the end and the start of an epoch).
+    pub fn recent_unpredicted(&self) -> Vec<FileId> {
+        self.recent
+            .iter()
+            .filter(|(_, predicted)| !predicted)
+            .map(|(f, _)| *f)
+            .collect()
+    }
+
     pub fn on_open(&mut self, file: FileId) -> OpenMatch {
         let mut result = OpenMatch::default();
         let epoch = self.base_epoch;

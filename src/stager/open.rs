@@ -188,7 +188,10 @@ impl Inner {
             if !st.resync_running && (m.became_lost || st.opens_since_resync >= RESYNC_EVERY) {
                 st.resync_running = true;
                 st.opens_since_resync = 0;
-                self.spawn_resync(st.tracker.recent_files(), st.tracker.epoch_position().0);
+                self.spawn_resync(
+                    st.tracker.recent_unpredicted(),
+                    st.tracker.epoch_position().0,
+                );
             }
         }
     }
