@@ -1171,7 +1171,6 @@ fn detected_ranks(args: &[&str], expected: &str, min: &[f64]) {
             delta("hits") as f64 / (delta("hits") + delta("misses")).max(1) as f64
         })
         .collect();
-    eprintln!("DEBUG {ratios:?} {after}\n{}", mount.log_text());
     for (e, ratio) in ratios.iter().enumerate() {
         let want = min[e.min(min.len() - 1)];
         assert!(
@@ -1224,5 +1223,61 @@ fn auto_finds_a_job_that_never_calls_set_epoch() {
         &["--seed", "0", "--no-set-epoch"],
         flags,
         &REFINED_HIT_RATIOS,
+    );
+}
+
+/// A wrong configuration on a dataset shorter than `--window` (a chance match anywhere in the
+/// window used to count as predicted): lost within the first epoch, with a hint naming the
+/// causes and `--sampler auto`, and from then on nothing staged that the job does not read.
+fn wrong_configuration(sampler: &[&str], hint_names: &str) {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let (volume, data, mount) = small_cache_mount(work.path(), sampler);
+    let args = ["--stack", "loader", "--seed", "5"];
+    let launch = Launch {
+        epochs: FEED_EPOCHS,
+        ..Launch::new("train_stacks.py", &args)
+    };
+    let (_, _, seen) = run_both(
+        work.path(),
+        "wrong",
+        (&launch, &launch),
+        &data.root,
+        &mount,
+        |_, _| {},
+    );
+    let after_first = &seen.stats[1];
+    assert_eq!(after_first["mode"], "lost", "{after_first}");
+    let hint = after_first["hint"].as_str().unwrap();
+    assert!(hint.contains(hint_names), "{hint}");
+    assert!(hint.contains("--sampler auto"), "{hint}");
+    assert!(mount.log_text().contains(hint), "the hint is in the log");
+    for e in 1..FEED_EPOCHS {
+        let (staged, misses) = (seen.delta(e, "staged_files"), seen.delta(e, "misses"));
+        assert!(
+            staged <= misses,
+            "epoch {e}: {staged} files staged for {misses} misses; {}",
+            seen.stats[e + 1]
+        );
+        assert_eq!(
+            seen.delta(e, "mispredictions"),
+            seen.delta(e, "hits") + misses,
+            "epoch {e}: every open counts as mispredicted while lost"
+        );
+    }
+    mount.unmount();
+    drop(volume);
+}
+
+#[test]
+fn a_wrong_seed_is_lost_within_the_first_epoch() {
+    wrong_configuration(&["--sampler", "torch-random", "--seed", "6"], "--generator");
+}
+
+#[test]
+fn a_wrong_sampler_is_lost_within_the_first_epoch() {
+    wrong_configuration(
+        &["--sampler", "numpy-legacy", "--seed", "5"],
+        "numpy-inplace",
     );
 }

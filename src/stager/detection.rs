@@ -67,6 +67,9 @@ pub enum DetectionState {
 /// The detection's state: the opens seen, and whether a search is running.
 struct Observed {
     state: DetectionState,
+    /// Sample index of each catalog id (`u32::MAX`: no sample); freed when detection ends
+    /// (4 bytes per catalog entry).
+    index_of: Vec<u32>,
     by_rank: BTreeMap<u32, Vec<u32>>,
     launch: JobRank,
     searching: bool,
@@ -76,8 +79,6 @@ struct Observed {
 pub(super) struct Detector {
     /// Set while opens are wanted: the FUSE layer reads the opener's environment only then.
     active: AtomicBool,
-    /// Sample index of each catalog id (`u32::MAX`: no sample).
-    index_of: Vec<u32>,
     observed: Mutex<Observed>,
 }
 
@@ -96,9 +97,9 @@ impl Detector {
         }
         Detector {
             active: AtomicBool::new(true),
-            index_of,
             observed: Mutex::new(Observed {
                 state: DetectionState::Searching { opens: 0 },
+                index_of,
                 by_rank: BTreeMap::new(),
                 launch: JobRank::ALONE,
                 searching: false,
@@ -117,17 +118,29 @@ impl Detector {
 
     /// Ends the detection: the job announces its order.
     pub(super) fn announced(&self) {
+        self.finish(DetectionState::Announced);
+    }
+
+    /// Ends the detection in `state`, freeing what it kept.
+    fn finish(&self, state: DetectionState) {
         self.active.store(false, Ordering::SeqCst);
-        self.observed.lock().state = DetectionState::Announced;
+        let mut ob = self.observed.lock();
+        ob.state = state;
+        ob.searching = false;
+        ob.by_rank = BTreeMap::new();
+        ob.index_of = Vec::new();
     }
 
     /// Records an open; returns the opens to search if a search is due now.
     fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>)> {
-        let index = *self.index_of.get(file as usize)?;
-        if index == u32::MAX || !self.is_active() {
+        if !self.is_active() {
             return None;
         }
         let mut ob = self.observed.lock();
+        let index = *ob.index_of.get(file as usize)?;
+        if index == u32::MAX {
+            return None;
+        }
         if rank.world_size > ob.launch.world_size || ob.launch.local.is_none() {
             ob.launch = rank;
         }
@@ -162,9 +175,8 @@ impl Detector {
         ob.searching = false;
         if ob.searches_done == SEARCH_AT.len() && ob.state != DetectionState::Announced {
             let opens = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
-            ob.state = DetectionState::NotFound { opens };
-            ob.by_rank.clear();
-            self.active.store(false, Ordering::SeqCst);
+            drop(ob);
+            self.finish(DetectionState::NotFound { opens });
             log::warn!(
                 "--sampler auto: no sampler stagefs knows explains the job's first {opens} opens; caching files as they are read. \
                  Name the order with --sampler/--seed (`stagefs order` shows one), or let the job announce it (`eval $(stagefs feed-env)` before it starts)"
@@ -178,11 +190,7 @@ impl Detector {
     }
 
     fn found(&self, flags: String) {
-        let mut ob = self.observed.lock();
-        ob.searching = false;
-        ob.by_rank.clear();
-        ob.state = DetectionState::Found(flags);
-        self.active.store(false, Ordering::SeqCst);
+        self.finish(DetectionState::Found(flags));
     }
 }
 

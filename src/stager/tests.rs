@@ -920,7 +920,12 @@ fn read_batches(h: &Harness, files: &[FileId], batch: usize, workers: usize, com
                     while k >= done.lock().0 + 2 * workers {
                         std::thread::sleep(Duration::from_millis(1));
                     }
-                    batches[k].iter().for_each(|&f| h.check(f));
+                    for &f in batches[k] {
+                        if h.stager().wants_job_ranks() {
+                            h.stager().observe_open(f, JobRank::ALONE);
+                        }
+                        h.check(f);
+                    }
                     std::thread::sleep(compute);
                     let mut d = done.lock();
                     d.1[k] = true;
@@ -1017,4 +1022,27 @@ fn a_mount_with_its_own_sampler_refuses_announcements() {
     let err = h.stager().announce(0, 0, vec![1], true).unwrap_err();
     assert!(err.to_string().contains("--sampler feed"), "{err}");
     assert_eq!(h.stager().gauges().epoch, 0);
+}
+
+#[test]
+fn auto_finds_the_order_from_the_first_opens_and_predicts_it() {
+    let h = Setup::new(2_000, SamplerKind::Auto).build();
+    assert_eq!(h.stager().gauges().sampler, "auto");
+    // The job: DataLoader(shuffle=True, generator=torch.Generator().manual_seed(7)).
+    let mut job = SamplerConfig::new(SamplerKind::TorchRandom);
+    job.seed = 7;
+    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
+    for epoch in 0..2 {
+        read_files(&h, &reader.files(epoch), 16, 2);
+    }
+    let g = h.stager().gauges();
+    assert_eq!(g.sampler, "torch-random");
+    assert_eq!(
+        g.prediction,
+        "detected: --sampler torch-random --seed 7 --generator loader --epoch 0"
+    );
+    assert_eq!((g.mode, g.mispredictions), ("predicting", 0), "{g:?}");
+    let last = g.prediction_quality_by_epoch.last().unwrap();
+    assert_eq!((last.epoch, last.predicted), (1, 2_000), "{g:?}");
+    assert!(!h.stager().wants_job_ranks(), "detection over");
 }
