@@ -1090,15 +1090,6 @@ fn detected(script: &str, args: &[&str], expected: &str, found_in: usize, min: &
         .cloned()
         .chain(later)
         .collect();
-    eprintln!(
-        "DEBUG {}\n{}",
-        seen.stats
-            .iter()
-            .map(|s| s["prediction_quality_by_epoch"].to_string())
-            .collect::<Vec<_>>()
-            .join("\n"),
-        mount.log_text()
-    );
     check_run(
         script,
         &lines,
