@@ -2,7 +2,7 @@
 //! system to node-local storage in the exact order the job will read it.
 //!
 //! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
-//! (samplers) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
+//! (samplers, and the search for the one a job uses: `--sampler auto`) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
 //! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`control`] takes the running
 //! job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
 //! runs it, [`cli`] parses the command line into it,

@@ -162,8 +162,17 @@ const COMMAND_LINES: &[Case] = &[
         "stagefs: --seed -1 is negative for numpy-legacy: it must be between 0 and 2^32-1",
     ),
     early(
-        "mount --seed 18446744073709551616",
+        "mount --sampler torch-distributed --seed 18446744073709551616",
         "stagefs: --seed 18446744073709551616 is too large for torch-distributed",
+    ),
+    // auto takes the seed as a hint: one a sampler could take.
+    early(
+        "mount --seed 18446744073709551616",
+        "stagefs: --seed 18446744073709551616 is too large for auto",
+    ),
+    early(
+        "mount --epoch 3",
+        "stagefs: --epoch does not apply to --sampler auto (the epoch is found from the job's opens)",
     ),
     early(
         "mount --seed 1000000000000000000000000000000000000000000",
@@ -171,7 +180,7 @@ const COMMAND_LINES: &[Case] = &[
     ),
     early(
         "mount --sampler nope",
-        "error: invalid value 'nope' for '--sampler <NAME>'\n  [possible values: torch-distributed, torch-random, numpy-legacy, numpy-generator, numpy-inplace, sequential, list, feed, none]",
+        "error: invalid value 'nope' for '--sampler <NAME>'\n  [possible values: auto, torch-distributed, torch-random, numpy-legacy, numpy-generator, numpy-inplace, sequential, list, feed, none]",
     ),
     early(
         "mount --sampler torch-random --generator x",
@@ -228,11 +237,11 @@ const COMMAND_LINES: &[Case] = &[
         "stagefs: --ranks 0-1 needs --world-size (the job's total number of ranks",
     ),
     early(
-        "mount --torch-version banana",
+        "mount --sampler torch-distributed --torch-version banana",
         "stagefs: invalid torch version \"banana\": give major.minor",
     ),
     early(
-        "mount --torch-version 1.7",
+        "mount --sampler torch-distributed --torch-version 1.7",
         "stagefs: torch 1.7 is not supported by torch-distributed",
     ),
     early(
@@ -276,12 +285,12 @@ const COMMAND_LINES: &[Case] = &[
     // Positions of the epoch and the next one must fit in 64 bits (7 per epoch here), the
     // same rule as for `stagefs epoch`.
     scanned(
-        "mount --epoch 18446744073709551614",
+        "mount --sampler torch-distributed --epoch 18446744073709551614",
         &[],
         "stagefs: epoch 18446744073709551614 is too large",
     ),
     scanned(
-        "mount --epoch 2635249153387078801",
+        "mount --sampler torch-distributed --epoch 2635249153387078801",
         &[],
         "stagefs: epoch 2635249153387078801 is too large",
     ),
@@ -628,7 +637,7 @@ fn epoch_cmd(m: &TestMount, args: &[&str]) -> (Option<i32>, String) {
 fn xattr_writes_are_refused_and_junk_epochs_change_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let src = source_tree(tmp.path());
-    let m = TestMount::new(&src, tmp.path(), &[]);
+    let m = TestMount::new(&src, tmp.path(), &["--sampler", "torch-distributed"]);
     for &(path, name, value) in XATTR_WRITES {
         let target = m.mnt.join(path);
         assert_eq!(
@@ -704,7 +713,7 @@ fn a_far_epoch_of_a_replaying_sampler_is_refused() {
 fn awkward_source_tree_mounts_reads_and_stages_only_what_is_inside() {
     let tmp = tempfile::tempdir().unwrap();
     let src = source_tree(tmp.path());
-    let m = TestMount::new(&src, tmp.path(), &[]);
+    let m = TestMount::new(&src, tmp.path(), &["--sampler", "torch-distributed"]);
     let latin = m.mnt.join("c3").join(OsStr::from_bytes(b"caf\xe9.jpg"));
     assert_eq!(fs::read(&latin).unwrap(), b"latin-1");
     let names: Vec<OsString> = fs::read_dir(m.mnt.join("c3"))

@@ -642,7 +642,7 @@ fn stagefs_run_refuses_a_busy_mountpoint() {
     }
     // The mount that was there is untouched, and the directory's file is still visible.
     assert!(is_mounted(&existing.mnt));
-    assert_eq!(existing.stats()["sampler"], "torch-distributed");
+    assert_eq!(existing.stats()["sampler"], "auto");
     assert_eq!(fs::read_to_string(full.join("keep.txt")).unwrap(), "mine");
     // And a command line without `-- COMMAND` is a usage error.
     let out = Command::new(script("stagefs-run"))

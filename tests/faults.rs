@@ -537,7 +537,11 @@ fn cache_filesystem_full_lowers_capacity_and_readers_see_no_error() {
     let order = predicted_order(&ds.root, &[]);
     // Declared before the mount so it is unmounted after it.
     let _tmpfs = Tmpfs::mount(&work.path().join("cache"), "8m");
-    let m = TestMount::new(&ds.root, work.path(), &["--cache-size", "64M"]);
+    let m = TestMount::new(
+        &ds.root,
+        work.path(),
+        &["--cache-size", "64M", "--sampler", "torch-distributed"],
+    );
     for epoch in 0..2 {
         for rel in &order {
             ds.read(&m.mnt, rel)

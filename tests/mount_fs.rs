@@ -437,7 +437,7 @@ fn tree_reads_like_source_without_prediction() {
 
 #[test]
 fn tree_reads_like_source_with_default_sampler() {
-    check_tree_through_mount(&[], "torch-distributed");
+    check_tree_through_mount(&[], "auto");
 }
 
 // ---------------------------------------------------------------------------------------

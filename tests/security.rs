@@ -150,7 +150,11 @@ fn allow_other_enforces_the_source_permission_bits() {
 fn cache_directory_is_private() {
     let tmp = open_workdir();
     let src = dataset(tmp.path());
-    let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
+    let m = TestMount::new(
+        &src,
+        tmp.path(),
+        &["--allow-other", "--sampler", "torch-distributed"],
+    );
     assert_eq!(m.wait_stat("cached_files", 3), 3);
     let files = walk_files(&m.cache);
     assert!(files.len() >= 5, "lock, manifest, 3 data files: {files:?}");
@@ -190,7 +194,11 @@ fn links_out_of_the_source_are_never_served_or_staged() {
     fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
     symlink("/etc/shadow", src.join("c1/shadow.jpg")).unwrap();
     symlink("../../secret.txt", src.join("c1/secret.jpg")).unwrap();
-    let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
+    let m = TestMount::new(
+        &src,
+        tmp.path(),
+        &["--allow-other", "--sampler", "torch-distributed"],
+    );
 
     let link = m.mnt.join("c1/shadow.jpg");
     assert!(link.symlink_metadata().unwrap().file_type().is_symlink());

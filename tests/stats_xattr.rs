@@ -67,11 +67,17 @@ fn kind_of(v: &Value) -> Option<Kind> {
     }
 }
 
-/// A source dataset under `work/src` and a mount of it with `extra` options.
+/// A source dataset under `work/src` and a mount of it with `extra` options, predicting
+/// torch-distributed (seed 0, one rank) unless they name a sampler: the statistics follow a
+/// prediction the tests know.
 fn dataset_and_mount(work: &Path, extra: &[&str]) -> TestMount {
     let src = work.join("src");
     image_folder(&src, FILES, CLASSES, 1000, 3000);
-    TestMount::new(&src, work, extra)
+    let mut args = extra.to_vec();
+    if !args.contains(&"--sampler") {
+        args.extend(["--sampler", "torch-distributed"]);
+    }
+    TestMount::new(&src, work, &args)
 }
 
 /// `getfattr --only-values -n NAME PATH`: the value, or getfattr's error message.

@@ -119,6 +119,10 @@ pub enum MountArgsError {
     Lookahead(LookaheadError),
     #[error("--read-through-above: {0}")]
     ReadThroughAbove(SizeError),
+    #[error(
+        "--epoch does not apply to --sampler auto (the epoch is found from the job's opens): remove it, or name the sampler with --sampler"
+    )]
+    EpochWithAuto,
 }
 
 impl TryFrom<&MountArgs> for MountConfig {
@@ -128,6 +132,9 @@ impl TryFrom<&MountArgs> for MountConfig {
         let (sampler, ranks) = args
             .sampler
             .config(SamplerKind::Auto, super::NODE_OPTIONS)?;
+        if sampler.kind == SamplerKind::Auto && args.epoch != 0 {
+            return Err(MountArgsError::EpochWithAuto);
+        }
         let capacity = match args.cache_size.as_deref() {
             Some(size) => Capacity::Bytes(parse_size(size).map_err(MountArgsError::CacheSize)?),
             None => Capacity::FreeSpace,

@@ -359,6 +359,10 @@ impl SamplerConfig {
         if !self.set_epoch {
             SamplerOption::NoSetEpoch.check_applies(self.kind)?;
         }
+        // auto's seed is a hint, tried first: any seed a torch sampler takes.
+        if self.kind == SamplerKind::Auto {
+            return self.check_seed(-(1 << 63)..1 << 64, "-2^63 and 2^64-1");
+        }
         // A fed order is checked as it is announced, against the files it names.
         if !self.predicts() || self.kind == SamplerKind::Feed {
             return Ok(());

@@ -62,9 +62,14 @@ pub struct Detection {
 
 /// Looks for the sampler, seed and epoch whose order starts with the observed opens of a
 /// dataset of `len` samples read by `world_size` ranks (the job's `WORLD_SIZE`; 1 when it has
-/// none). `None` when no candidate explains them, or when the dataset is too small for a
+/// none), trying `hinted_seed` (the mount's `--seed`) first. `None` when no candidate explains them, or when the dataset is too small for a
 /// match to mean anything.
-pub fn detect(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detection> {
+pub fn detect(
+    len: u64,
+    world_size: u32,
+    hinted_seed: Option<u64>,
+    opens: &[RankOpens],
+) -> Option<Detection> {
     let judge = Judge::new(len, world_size, opens)?;
     // numpy's candidates cost a whole permutation each: they are searched on a thread of
     // their own, beside torch's, and the first to find stops the other. Each tries the usual
@@ -76,16 +81,14 @@ pub fn detect(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detectio
         }
         d
     };
+    let first = || hinted_seed.into_iter().chain(USUAL_SEEDS);
     std::thread::scope(|scope| {
         let numpy = scope.spawn(|| {
             let affordable = (NUMPY_BUDGET_DRAWS / (2 * len.max(1))) as usize;
-            let seeds = USUAL_SEEDS.into_iter().chain(0..TORCH_SEEDS);
-            stop_others(judge.numpy(seeds.take(affordable.max(USUAL_SEEDS.len())), &found))
+            let seeds = first().chain(0..TORCH_SEEDS);
+            stop_others(judge.numpy(seeds.take(affordable.max(USUAL_SEEDS.len() + 1)), &found))
         });
-        let seeds = USUAL_SEEDS
-            .into_iter()
-            .chain(0..TORCH_SEEDS)
-            .chain(resumed_usual_seeds());
+        let seeds = first().chain(0..TORCH_SEEDS).chain(resumed_usual_seeds());
         let torch = stop_others(judge.torch(seeds, &found));
         // A panic in the numpy search only loses its answer.
         let numpy = numpy.join().unwrap_or(None);
@@ -555,7 +558,7 @@ mod tests {
         cfg.world_size = 2;
         cfg.seed = 42;
         let opens = [opens_of(&cfg, 5000, 3, 0), opens_of(&cfg, 5000, 3, 1)];
-        let found = detect(5000, 2, &opens).unwrap();
+        let found = detect(5000, 2, None, &opens).unwrap();
         assert_eq!(found.sampler.kind, SamplerKind::TorchDistributed);
         assert_eq!((found.sampler.seed, found.epoch), (42, 3));
         assert_eq!(found.sampler.world_size, 2);
@@ -567,7 +570,7 @@ mod tests {
             let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
             cfg.seed = 5;
             cfg.generator = generator;
-            let found = detect(3000, 1, &[opens_of(&cfg, 3000, 0, 0)]).unwrap();
+            let found = detect(3000, 1, None, &[opens_of(&cfg, 3000, 0, 0)]).unwrap();
             assert_eq!(found.sampler.kind, SamplerKind::TorchRandom, "{generator}");
             assert_eq!(found.sampler.generator, generator);
             assert_eq!((found.sampler.seed, found.epoch), (5, 0));
@@ -579,7 +582,7 @@ mod tests {
         for kind in [SamplerKind::NumpyLegacy, SamplerKind::NumpyGenerator] {
             let mut cfg = SamplerConfig::new(kind);
             cfg.seed = 777;
-            let found = detect(2000, 1, &[opens_of(&cfg, 2000, 0, 0)]).unwrap();
+            let found = detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)]).unwrap();
             assert_eq!(found.sampler.kind, kind);
             assert_eq!(found.sampler.seed, 777);
         }
@@ -590,8 +593,17 @@ mod tests {
         // A seed past every range searched, and a dataset too small to judge.
         let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
         cfg.seed = 987_654_321;
-        assert!(detect(2000, 1, &[opens_of(&cfg, 2000, 0, 0)]).is_none());
-        assert!(detect(100, 1, &[opens_of(&cfg, 100, 0, 0)]).is_none());
+        assert!(detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)]).is_none());
+        assert!(detect(100, 1, None, &[opens_of(&cfg, 100, 0, 0)]).is_none());
+    }
+
+    #[test]
+    fn the_mount_s_seed_is_tried_first() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
+        cfg.seed = 987_654_321;
+        let opens = [opens_of(&cfg, 2000, 0, 0)];
+        let found = detect(2000, 1, Some(987_654_321), &opens).unwrap();
+        assert_eq!(found.sampler.seed, 987_654_321);
     }
 
     #[test]

@@ -213,13 +213,30 @@ impl Inner {
         }
     }
 
-    fn search(self: Arc<Self>, launch: JobRank, opens: Vec<RankOpens>) {
+    fn search(self: Arc<Self>, launch: JobRank, mut opens: Vec<RankOpens>) {
         let Some(detector) = &self.detector else {
             return;
         };
         let started = std::time::Instant::now();
         let len = self.plan.layout().len() as u64;
-        let found = detect::detect(len, launch.world_size, &opens);
+        // The mount's own flags are hints: its seed is tried first, and without a launcher's
+        // environment its world size and (single) rank say whose opens these are.
+        let hint = self.plan.order();
+        let mut launch = launch;
+        if launch.world_size == 1
+            && hint.sampler.world_size > 1
+            && let [rank] = hint.ranks[..]
+            && let [only] = &mut opens[..]
+        {
+            only.rank = rank;
+            launch = JobRank {
+                rank,
+                world_size: hint.sampler.world_size,
+                local: Some((0, 1)),
+            };
+        }
+        let hinted_seed = u64::try_from(hint.sampler.seed).ok();
+        let found = detect::detect(len, launch.world_size, hinted_seed, &opens);
         log::info!(
             "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
             opens.iter().map(|r| r.indices.len()).sum::<usize>(),
