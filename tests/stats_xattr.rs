@@ -218,6 +218,14 @@ fn stats_json_and_single_values_follow_predicted_reads() {
         let single = getfattr(&m.mnt, &format!("user.stagefs.{key}")).unwrap();
         match (key.as_str(), v) {
             ("uptime_seconds", v) => assert!(single.parse::<f64>().unwrap() >= v.as_f64().unwrap()),
+            // Reading the attributes is itself counted.
+            ("ops", Value::Object(counts)) => {
+                let now: BTreeMap<String, u64> = serde_json::from_str(&single).unwrap();
+                assert!(counts.keys().eq(now.keys()), "{single}");
+                for (op, n) in counts {
+                    assert!(now[op] >= n.as_u64().unwrap(), "{op}: {single}");
+                }
+            }
             (_, Value::String(s)) => assert_eq!(&single, s, "{key}"),
             (_, v) => assert_eq!(single, v.to_string(), "{key}"),
         }
@@ -237,8 +245,13 @@ fn stats_json_and_single_values_follow_predicted_reads() {
     );
     let err = getfattr(&m.mnt, "user.stagefs.no_such_key").unwrap_err();
     assert!(err.contains("No such attribute"), "{err}");
-    // Statistics belong to the root only.
+    // Statistics belong to the root only; the request counts are on every entry.
     assert!(getfattr(&m.mnt.join("class000"), "user.stagefs.stats").is_err());
+    for entry in ["class000", "class000/img000000.jpg"] {
+        let ops = getfattr(&m.mnt.join(entry), "user.stagefs.ops").unwrap();
+        let ops: BTreeMap<String, u64> = serde_json::from_str(&ops).unwrap();
+        assert!(ops["getxattr"] > 0 && ops["lookup"] > 0, "{entry}: {ops:?}");
+    }
 
     // Reads in the predicted order: all hits (staged beforehand), no misprediction, and the
     // tracker's position follows them.

@@ -172,6 +172,7 @@ fn start_stager(
         passthrough_wanted: config.passthrough,
         source_root,
         control_address: Default::default(),
+        ops: Default::default(),
     }
 }
 

@@ -18,6 +18,7 @@ use super::access::{self, Caller, Gate};
 use super::error::FsError;
 use super::launcher::Launchers;
 use super::opens::{OpenReply, Opens};
+use super::ops::OpCounts;
 use super::xattr::Probes;
 use crate::catalog::{Catalog, Entry, FileId, Kind};
 use crate::stager::{SourceRoot, Stager};
@@ -36,16 +37,21 @@ pub struct MountedDataset {
     pub source_root: Arc<SourceRoot>,
     /// Where the mount's control channel listens (`user.stagefs.control`), once it does.
     pub control_address: OnceLock<String>,
+    /// The requests the kernel sent, by kind (counted by the FUSE adapter).
+    pub ops: OpCounts,
 }
 
 impl MountedDataset {
     pub fn snapshot(&self, passthrough: bool) -> Snapshot {
-        Snapshot::take(
-            &self.counters,
-            self.stager.gauges(),
-            passthrough,
-            self.started,
-        )
+        Snapshot {
+            ops: self.ops.by_name(),
+            ..Snapshot::take(
+                &self.counters,
+                self.stager.gauges(),
+                passthrough,
+                self.started,
+            )
+        }
     }
 }
 

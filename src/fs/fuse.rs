@@ -2,25 +2,30 @@
 //! converts (requests to [`Caller`]s, [`FsError`]s to errnos, [`Attr`]s to [`FileAttr`]s,
 //! answers to replies) and picks what the protocol alone decides: TTLs, open flags, and the
 //! answers to requests the core has no part in (flush, fsync, ioctl, the modifying ones).
+//! Every request fuser hands it is counted first ([`Op`], `user.stagefs.ops`).
 
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use fuser::{
-    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags, ReplyAttr,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen,
-    ReplyStatfs, ReplyXattr, Request,
+    AccessFlags, BackingId, BsdFileFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle,
+    FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig,
+    LockOwner, OpenFlags, PollEvents, PollFlags, PollNotifier, RenameFlags, ReplyAttr, ReplyBmap,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl,
+    ReplyLock, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
 };
 
 use super::access::Caller;
 use super::dataset::{Attr, DatasetFs, MountedDataset};
 use super::error::FsError;
 use super::opens::OpenReply;
+use super::ops::Op;
 use super::xattr::Xattr;
 use crate::catalog::Kind;
 use crate::stats::Snapshot;
@@ -48,6 +53,21 @@ impl StageFs {
     pub fn snapshot(data: &MountedDataset, passthrough: bool) -> Snapshot {
         data.snapshot(passthrough)
     }
+
+    fn count(&self, op: Op) {
+        self.core.data.ops.count(op);
+    }
+}
+
+/// Requests the mount has no answer of its own for: counted, then answered as fuser's default
+/// methods do (`name(argument types) reply => op, errno`), without their warning per request.
+macro_rules! unanswered {
+    ($($name:ident($($ty:ty),*) $reply:ty => $op:ident, $errno:ident;)*) => {$(
+        fn $name(&self, _req: &Request, $(_: $ty,)* reply: $reply) {
+            self.count(Op::$op);
+            reply.error(Errno::$errno);
+        }
+    )*};
 }
 
 fn errno(e: FsError) -> Errno {
@@ -143,6 +163,7 @@ impl Filesystem for StageFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.count(Op::Lookup);
         match self.core.lookup(parent.0, name) {
             Ok(Some(attr)) => reply.entry(&TTL, &file_attr(&attr), Generation(0)),
             // A zero-inode entry tells the kernel to cache the negative lookup for TTL.
@@ -159,6 +180,7 @@ impl Filesystem for StageFs {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.count(Op::Getattr);
         match self.core.getattr(ino.0) {
             Ok(attr) => reply.attr(&TTL, &file_attr(&attr)),
             Err(e) => reply.error(errno(e)),
@@ -166,6 +188,7 @@ impl Filesystem for StageFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.count(Op::Readlink);
         match self.core.readlink(ino.0) {
             Ok(target) => reply.data(target.as_bytes()),
             Err(e) => reply.error(errno(e)),
@@ -173,6 +196,7 @@ impl Filesystem for StageFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.count(Op::Open);
         self.core.open(ino.0, flags.0, caller(req), reply);
     }
 
@@ -187,6 +211,7 @@ impl Filesystem for StageFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        self.count(Op::Read);
         match self.core.read(ino.0, fh.0, offset, size) {
             Ok(bytes) => reply.data(&bytes),
             Err(e) => reply.error(errno(e)),
@@ -203,6 +228,7 @@ impl Filesystem for StageFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.count(Op::Release);
         self.core.release(ino.0, fh.0);
         reply.ok();
     }
@@ -218,6 +244,7 @@ impl Filesystem for StageFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        self.count(Op::Flush);
         reply.error(Errno::ENOSYS);
     }
 
@@ -231,10 +258,12 @@ impl Filesystem for StageFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.count(Op::Fsync);
         reply.error(Errno::ENOSYS);
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.count(Op::Opendir);
         match self.core.opendir(ino.0, caller(req)) {
             Ok(()) => reply.opened(
                 FileHandle(0),
@@ -252,6 +281,7 @@ impl Filesystem for StageFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        self.count(Op::Readdir);
         match self.core.readdir(ino.0, offset) {
             Ok(entries) => {
                 for e in entries {
@@ -274,6 +304,7 @@ impl Filesystem for StageFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        self.count(Op::Readdirplus);
         match self.core.readdir(ino.0, offset) {
             Ok(entries) => {
                 for e in entries {
@@ -289,6 +320,7 @@ impl Filesystem for StageFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.count(Op::Statfs);
         match self.core.statfs() {
             Ok(s) => reply.statfs(
                 s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
@@ -300,24 +332,88 @@ impl Filesystem for StageFs {
     /// Sent only if the mount lacks `default_permissions` (the kernel answers access(2)
     /// from the mode bits otherwise).
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        self.count(Op::Access);
         reply_empty(reply, self.core.access(ino.0, mask.bits(), caller(req)));
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        self.count(Op::Getxattr);
         reply_xattr(reply, self.core.getxattr(ino.0, name, size, caller(req)));
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        self.count(Op::Listxattr);
         reply_xattr(reply, self.core.listxattr(ino.0, size, caller(req)));
+    }
+
+    /// Also once per inode of a BATCH_FORGET (fuser's `batch_forget` calls this for each; its
+    /// argument type is not public, so it cannot be counted on its own).
+    fn forget(&self, _req: &Request, _ino: INodeNo, _nlookup: u64) {
+        self.count(Op::Forget);
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.count(Op::Releasedir);
+        reply.ok();
     }
 
     // Nothing that would modify the dataset is implemented: the superblock is read-only, so
     // the kernel answers EROFS itself and never sends those requests (after a forced `remount,rw`
-    // they would get fuser's ENOSYS, still writing nothing).
+    // they would get fuser's ENOSYS or EPERM, still writing nothing). Of the rest, the kernel
+    // remembers ENOSYS to fsyncdir, poll and lseek (SEEK_DATA/SEEK_HOLE) and stops asking;
+    // locks stay local (no FUSE_POSIX_LOCKS), bmap is for block-device mounts only.
+    unanswered! {
+        setattr(
+            INodeNo, Option<u32>, Option<u32>, Option<u32>, Option<u64>, Option<TimeOrNow>,
+            Option<TimeOrNow>, Option<SystemTime>, Option<FileHandle>, Option<SystemTime>,
+            Option<SystemTime>, Option<SystemTime>, Option<BsdFileFlags>
+        ) ReplyAttr => Setattr, ENOSYS;
+        mknod(INodeNo, &OsStr, u32, u32, u32) ReplyEntry => Mknod, ENOSYS;
+        mkdir(INodeNo, &OsStr, u32, u32) ReplyEntry => Mkdir, ENOSYS;
+        unlink(INodeNo, &OsStr) ReplyEmpty => Unlink, ENOSYS;
+        rmdir(INodeNo, &OsStr) ReplyEmpty => Rmdir, ENOSYS;
+        symlink(INodeNo, &OsStr, &Path) ReplyEntry => Symlink, EPERM;
+        rename(INodeNo, &OsStr, INodeNo, &OsStr, RenameFlags) ReplyEmpty => Rename, ENOSYS;
+        link(INodeNo, INodeNo, &OsStr) ReplyEntry => Link, EPERM;
+        write(
+            INodeNo, FileHandle, u64, &[u8], WriteFlags, OpenFlags, Option<LockOwner>
+        ) ReplyWrite => Write, ENOSYS;
+        fsyncdir(INodeNo, FileHandle, bool) ReplyEmpty => Fsyncdir, ENOSYS;
+        setxattr(INodeNo, &OsStr, &[u8], i32, u32) ReplyEmpty => Setxattr, ENOSYS;
+        removexattr(INodeNo, &OsStr) ReplyEmpty => Removexattr, ENOSYS;
+        create(INodeNo, &OsStr, u32, u32, i32) ReplyCreate => Create, ENOSYS;
+        getlk(INodeNo, FileHandle, LockOwner, u64, u64, i32, u32) ReplyLock => Getlk, ENOSYS;
+        setlk(
+            INodeNo, FileHandle, LockOwner, u64, u64, i32, u32, bool
+        ) ReplyEmpty => Setlk, ENOSYS;
+        bmap(INodeNo, u32, u64) ReplyBmap => Bmap, ENOSYS;
+        poll(
+            INodeNo, FileHandle, PollNotifier, PollEvents, PollFlags
+        ) ReplyPoll => Poll, ENOSYS;
+        fallocate(INodeNo, FileHandle, u64, u64, i32) ReplyEmpty => Fallocate, ENOSYS;
+        lseek(INodeNo, FileHandle, i64, i32) ReplyLseek => Lseek, ENOSYS;
+        copy_file_range(
+            INodeNo, FileHandle, u64, INodeNo, FileHandle, u64, u64, CopyFileRangeFlags
+        ) ReplyWrite => CopyFileRange, ENOSYS;
+    }
 
-    /// Every Python `open()` asks whether the file is a terminal (ioctl TCGETS), and the kernel
-    /// does not remember an ENOSYS for ioctl: answer as a regular file does, without fuser's
-    /// "not implemented" warning once per open.
+    /// Python's `open()` with default buffering (up to 3.13) asks whether the file is a
+    /// terminal (ioctl TCGETS): one synchronous round trip per open, the only one besides OPEN
+    /// (RELEASE is sent in the background) on a cached file. Nothing on 6.18 stops the kernel
+    /// from forwarding it for regular files, measured with `user.stagefs.ops`: an ENOSYS is
+    /// turned into ENOTTY and not remembered (FUSE_IOCTL again on every call), no INIT flag
+    /// covers files (FUSE_HAS_IOCTL_DIR only adds directories), and passthrough opens forward
+    /// it too (upstream passthrough covers read/write/splice/mmap only). So answer as a regular
+    /// file does, without fuser's "not implemented" warning per open. Readers avoid it with an
+    /// explicit buffer size (`open(p, "rb", buffering=...)`: measured, no FUSE_IOCTL) or Python
+    /// 3.14, which skips the probe for regular files (`FileIO._isatty_open_only`).
     fn ioctl(
         &self,
         _req: &Request,
@@ -329,6 +425,7 @@ impl Filesystem for StageFs {
         _out_size: u32,
         reply: ReplyIoctl,
     ) {
+        self.count(Op::Ioctl);
         reply.error(Errno::ENOTTY);
     }
 }

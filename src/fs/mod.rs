@@ -2,10 +2,10 @@
 //!
 //! Split so that everything but the protocol is tested without a mount: [`dataset`] is the
 //! file system as plain methods (no `fuser` in it), [`fuse`] the [`fuser::Filesystem`] adapter
-//! over it, [`opens`] the handle table and per-inode passthrough bookkeeping, [`xattr`]
-//! statistics and control as extended attributes, [`access`] who may open what (SOURCE's own
-//! kernel decides, on top of the kernel's mode-bit check, `default_permissions`), [`error`]
-//! the errno of every refusal. The superblock is read-only (`ro`): the kernel refuses every
+//! over it, [`opens`] the handle table and per-inode passthrough bookkeeping, [`ops`] the
+//! requests the kernel sent by kind, [`xattr`] statistics and control as extended attributes,
+//! [`access`] who may open what (SOURCE's own kernel decides, on top of the kernel's mode-bit
+//! check, `default_permissions`), [`error`] the errno of every refusal. The superblock is read-only (`ro`): the kernel refuses every
 //! modification itself (EROFS) and, for passthrough reads, no longer invalidates the cached
 //! attributes (one GETATTR less per file read); what controls a running mount goes over the
 //! control channel instead (`stagefs epoch`, the feed hook).
@@ -17,6 +17,7 @@ mod error;
 mod fuse;
 mod launcher;
 mod opens;
+mod ops;
 mod xattr;
 
 #[cfg(test)]
@@ -25,4 +26,4 @@ mod tests;
 pub use access::{Caller, Refusal, may_read_root};
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
-pub use xattr::{CONTROL_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR};
+pub use xattr::{CONTROL_XATTR, OPS_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR};

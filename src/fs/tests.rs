@@ -89,6 +89,7 @@ fn fixture_with(
         passthrough_wanted: true,
         source_root: root,
         control_address: Default::default(),
+        ops: Default::default(),
     });
     Fixture {
         _dir: dir,

@@ -10,6 +10,9 @@
 //!   `user.stagefs.control` is the address of the mount's control channel.
 //! - Nothing is writable: the superblock is read-only, so the kernel answers every write EROFS
 //!   itself (the daemon answers the same if asked). The epoch is set with `stagefs epoch`.
+//! - every entry: `user.stagefs.ops`, the requests the kernel sent the daemon by kind, as one
+//!   JSON object (the `ops` of the statistics; readable anywhere, so a test of one file's
+//!   round trips needs no path to the root).
 //! - a file: `user.stagefs.state` = `cached`, `staging` or `remote`.
 //! - a directory: `user.stagefs.state` = `N/M cached` for the M regular files of its whole
 //!   subtree (the root's answer covers the dataset).
@@ -39,11 +42,13 @@ const STATS: &str = "stats";
 const PID: &str = "pid";
 const CONTROL: &str = "control";
 const STATE: &str = "state";
+const OPS: &str = "ops";
 /// The same as the full names `getfattr -n` takes, for the commands that read them.
 pub const STATS_XATTR: &str = "user.stagefs.stats";
 pub const PID_XATTR: &str = "user.stagefs.pid";
 pub const STATE_XATTR: &str = "user.stagefs.state";
 pub const CONTROL_XATTR: &str = "user.stagefs.control";
+pub const OPS_XATTR: &str = "user.stagefs.ops";
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
 const MAX_SOURCE_VALUE: usize = 64 * 1024;
 
@@ -166,6 +171,9 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
     /// Our attribute `key` (the name after [`PREFIX`]) of `id`, if it has one.
     fn ours(&self, id: FileId, key: &str) -> Option<Vec<u8>> {
         let data = &self.data;
+        if key == OPS {
+            return Some(serde_json::to_vec(&data.ops.by_name()).expect("counts serialize"));
+        }
         if id == ROOT {
             if key == PID {
                 return Some(std::process::id().to_string().into_bytes());
@@ -353,6 +361,7 @@ mod tests {
             (PID_XATTR, PID),
             (STATE_XATTR, STATE),
             (CONTROL_XATTR, CONTROL),
+            (OPS_XATTR, OPS),
         ] {
             assert_eq!(full.strip_prefix(PREFIX), Some(key));
         }

@@ -7,6 +7,7 @@
 
 mod metrics;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -135,6 +136,11 @@ pub struct Snapshot {
     /// Whether cache hits are served by FUSE passthrough (the kernel reads cache files).
     pub passthrough: bool,
     pub uptime_seconds: f64,
+    /// Requests the kernel sent the daemon since the mount started, by kind (`open`, `read`,
+    /// `getattr`, ...; every kind the daemon counts, 0 if never sent). Set by the file system,
+    /// empty from [`Snapshot::take`].
+    #[serde(default)]
+    pub ops: BTreeMap<String, u64>,
 }
 
 impl Snapshot {
@@ -176,6 +182,7 @@ impl Snapshot {
             announced_ranks: g.announced_ranks,
             passthrough,
             uptime_seconds: started.elapsed().as_secs_f64(),
+            ops: BTreeMap::new(),
         }
     }
 }
