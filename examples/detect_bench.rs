@@ -29,11 +29,12 @@ fn opens(cfg: &SamplerConfig, epoch: u64, rank: u32) -> RankOpens {
 }
 
 fn time(what: &str, cfg: &SamplerConfig, epoch: u64, ranks: std::ops::Range<u32>, world: u32) {
+    let node: Vec<u32> = ranks.clone().collect();
     let observed: Vec<RankOpens> = ranks.map(|r| opens(cfg, epoch, r)).collect();
     let started = Instant::now();
     let found = detect(LEN, world, None, &observed);
     let took = started.elapsed();
-    let result = found.map_or("not found".to_string(), |d| d.sampler.flags(&[], d.epoch));
+    let result = found.map_or("not found".to_string(), |d| d.sampler.flags(&node, d.epoch));
     println!("{what:<58} {:>9.1} ms  {result}", took.as_secs_f64() * 1e3);
 }
 
