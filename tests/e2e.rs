@@ -777,9 +777,14 @@ fn small_cache_mount(work: &Path, sampler: &[&str]) -> (Volume, Dataset, TestMou
 /// predict, run with the feed hook through a 30% cache and without it directly: the same
 /// indices in the same order, with the files staged before they are opened.
 fn fed_stack(stack: &str, extra: &[&str]) {
+    fed_stack_through(&["--sampler", "feed"], stack, extra);
+}
+
+/// [`fed_stack`] through a mount with `sampler` (its flags).
+fn fed_stack_through(sampler: &[&str], stack: &str, extra: &[&str]) {
     require_fuse();
     let work = tempfile::tempdir().unwrap();
-    let (volume, data, mount) = small_cache_mount(work.path(), &["--sampler", "feed"]);
+    let (volume, data, mount) = small_cache_mount(work.path(), sampler);
     let mut args = vec!["--stack", stack, "--seed", "5"];
     args.extend_from_slice(extra);
     let direct = Launch {
@@ -806,7 +811,9 @@ fn fed_stack(stack: &str, extra: &[&str]) {
         !stderr.unwrap_or_default().contains("stagefs-feed: warning"),
         "{stack}: the hook warned"
     );
-    assert_eq!(seen.stats.last().unwrap()["sampler"], "feed");
+    let last = seen.stats.last().unwrap();
+    assert_eq!(last["sampler"], "feed");
+    assert_eq!(last["prediction"], "announced by the job");
     mount.unmount();
     drop(volume);
 }
@@ -814,6 +821,13 @@ fn fed_stack(stack: &str, extra: &[&str]) {
 #[test]
 fn fed_global_generator_after_model_init() {
     fed_stack("global", &[]);
+}
+
+/// A mount with no prediction flags follows what the job announces: the hook takes precedence
+/// over detection (and finds what no search can: a global generator drawn from by the model).
+#[test]
+fn an_announced_order_takes_precedence_over_auto() {
+    fed_stack_through(&[], "global", &[]);
 }
 
 #[test]
