@@ -84,9 +84,10 @@ pub fn detect(
     let first = || hinted_seed.into_iter().chain(USUAL_SEEDS);
     std::thread::scope(|scope| {
         let numpy = scope.spawn(|| {
+            // None at all when even one permutation is beyond the budget.
             let affordable = (NUMPY_BUDGET_DRAWS / (2 * len.max(1))) as usize;
             let seeds = first().chain(0..TORCH_SEEDS);
-            stop_others(judge.numpy(seeds.take(affordable.max(USUAL_SEEDS.len() + 1)), &found))
+            stop_others(judge.numpy(seeds.take(affordable), &found))
         });
         let seeds = first().chain(0..TORCH_SEEDS).chain(resumed_usual_seeds());
         let torch = stop_others(judge.torch(seeds, &found));
@@ -137,6 +138,10 @@ impl Prefix {
         let mut opens: Vec<u32> = rank.indices.iter().copied().take(count).collect();
         opens.sort_unstable();
         opens.dedup();
+        // A file opened again and again (a warm-up, a peek at sample 0) is one open to judge.
+        if opens.len() < MIN_OPENS {
+            return None;
+        }
         Some(Prefix {
             rank: rank.rank,
             opens,
@@ -341,11 +346,14 @@ impl<'a> Judge<'a> {
 /// `lost_epoch` is the epoch the reader was in by `sampler` when they stopped.
 pub fn variants(sampler: &SamplerConfig, lost_epoch: u64) -> Vec<SamplerConfig> {
     let mut out = Vec::new();
-    // A job that never calls set_epoch reads the epoch it started in again and again.
-    if sampler.kind == SamplerKind::TorchDistributed && sampler.set_epoch {
+    // A job that never calls set_epoch reads the epoch it started in again and again; one
+    // taken for that may have been a job restarted from scratch, which calls it.
+    if sampler.kind == SamplerKind::TorchDistributed {
         let mut v = sampler.clone();
-        v.set_epoch = false;
-        v.seed = sampler.seed + i128::from(lost_epoch.saturating_sub(1));
+        v.set_epoch = !sampler.set_epoch;
+        if sampler.set_epoch {
+            v.seed = sampler.seed + i128::from(lost_epoch.saturating_sub(1));
+        }
         out.push(v);
     }
     // `np.random.shuffle(idx)` each epoch reads what `permutation` reads, once.

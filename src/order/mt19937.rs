@@ -22,17 +22,9 @@ impl Mt19937 {
     /// `init_genrand(seed)`: what both `torch.manual_seed` (low 32 bits) and
     /// `np.random.seed` do with a scalar seed.
     pub fn new(seed: u32) -> Self {
-        let mut state = [0u32; N];
-        state[0] = seed;
-        for j in 1..N {
-            let prev = state[j - 1];
-            state[j] = 1_812_433_253u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(j as u32);
-        }
         // Both libraries twist before the first output.
         Self {
-            state,
+            state: seeded(seed, N),
             out: [0; N],
             pos: N,
         }
@@ -108,18 +100,23 @@ pub fn first_outputs(seed: u32, out: &mut [u32]) {
         out.len() <= FIRST_OUTPUTS_MAX,
         "at most {FIRST_OUTPUTS_MAX}"
     );
-    let needed = M + out.len();
+    let state = seeded(seed, M + out.len());
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = temper(mix(state[i], state[i + 1], state[i + M]));
+    }
+}
+
+/// `init_genrand(seed)`'s state, its first `words` words (the rest left 0).
+fn seeded(seed: u32, words: usize) -> [u32; N] {
     let mut state = [0u32; N];
     state[0] = seed;
-    for j in 1..needed {
+    for j in 1..words {
         let prev = state[j - 1];
         state[j] = 1_812_433_253u32
             .wrapping_mul(prev ^ (prev >> 30))
             .wrapping_add(j as u32);
     }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = temper(mix(state[i], state[i + 1], state[i + M]));
-    }
+    state
 }
 
 #[inline(always)]

@@ -246,39 +246,53 @@ impl Plan {
         })
     }
 
-    /// Switches to a prepared order. Positions then mean other places: the caller (holding
-    /// the stager's lock) moves the tracker before anyone uses one.
-    pub fn adopt(&self, prepared: Prepared) {
+    /// Switches to a prepared order, unless the job announces its order meanwhile (false).
+    /// Positions then mean other places: the caller (holding the stager's lock) moves the
+    /// tracker before anyone uses one.
+    pub fn adopt(&self, prepared: Prepared) -> bool {
         let Prepared { order, mut plan } = prepared;
         let mut epochs = self.epochs.lock();
+        // An order the job announces is not replaced by a computed one.
+        if self.is_fed() && order.provenance != Provenance::Announced {
+            return false;
+        }
+        // A fed order's length comes with its announcements.
+        let len = if order.sampler.kind == SamplerKind::Feed {
+            0
+        } else {
+            plan.len()
+        };
+        // The order before the generation: a plan computed meanwhile that reads the new
+        // generation then reads the new order too.
+        *self.order.write() = order;
+        self.epoch_len.store(len, Ordering::SeqCst);
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         plan.generation = generation;
         epochs.recent.clear();
         epochs.recent.push_back(Arc::new(plan));
-        let len = if order.sampler.kind == SamplerKind::Feed {
-            // A fed order's length comes with its announcements.
-            0
-        } else {
-            epochs.recent[0].len()
-        };
-        *self.order.write() = order;
-        self.epoch_len.store(len, Ordering::SeqCst);
         drop(epochs);
         self.built.notify_all();
+        true
     }
 
     /// Follows the job's announcements from now on (an `auto` mount the feed hook talks to).
     /// Nothing is predicted until the first one.
     pub fn follow_announcements(&self) {
         let mut epochs = self.epochs.lock();
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        epochs.recent.clear();
         *self.order.write() = Arc::new(Order {
             sampler: SamplerConfig::new(SamplerKind::Feed),
             ranks: vec![0],
             provenance: Provenance::Announced,
         });
         self.epoch_len.store(0, Ordering::SeqCst);
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        epochs.recent.clear();
+    }
+
+    /// How many times the order was replaced: a caller that let go of the stager's lock
+    /// checks it did not change behind its back.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The prediction now in force.

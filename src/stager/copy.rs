@@ -121,7 +121,9 @@ impl Inner {
                     }
                     // Staged ahead for a prediction dropped meanwhile: first to go, as the
                     // other copies staged for it (see `drop_next_uses`).
-                    _ if job.position.is_some() => st.space.evict.set_recently_used(file, 0),
+                    _ if job.position.is_some() && !had_waiters => {
+                        st.space.evict.set_recently_used(file, 0)
+                    }
                     _ => {
                         st.access_seq += 1;
                         let seq = st.access_seq;

@@ -16,7 +16,7 @@ use super::Inner;
 use crate::catalog::{FileId, Layout};
 use crate::order::SamplerKind;
 use crate::order::detect::{self, Detection, RankOpens};
-use crate::plan::{Order, Provenance};
+use crate::plan::{Order, Provenance, TrackerMode};
 
 /// Opens of the busiest rank at which a search runs: the first as soon as a match can mean
 /// something, the later ones for loaders that start with stray opens or many workers.
@@ -132,7 +132,9 @@ impl Detector {
     }
 
     /// Records an open; returns the opens to search if a search is due now.
-    fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>)> {
+    /// Records an open; returns what to search if a search is due now: the launcher's
+    /// environment, the opens per rank, and where the previous search's opens ended.
+    fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>, usize)> {
         if !self.is_active() {
             return None;
         }
@@ -141,7 +143,14 @@ impl Detector {
         if index == u32::MAX {
             return None;
         }
-        if rank.world_size > ob.launch.world_size || ob.launch.local.is_none() {
+        // The most telling environment seen: the largest world, then one with the local ranks
+        // (an opener without a launcher's environment tells nothing).
+        let launch = ob.launch;
+        if rank.world_size > launch.world_size
+            || (rank.world_size == launch.world_size
+                && launch.local.is_none()
+                && rank.local.is_some())
+        {
             ob.launch = rank;
         }
         let opens = ob.by_rank.entry(rank.rank).or_default();
@@ -166,7 +175,8 @@ impl Detector {
                 indices: indices.clone(),
             })
             .collect();
-        Some((ob.launch, opens))
+        let previous = ob.searches_done.checked_sub(2).map_or(0, |i| SEARCH_AT[i]);
+        Some((ob.launch, opens, previous))
     }
 
     /// A search ended without a result.
@@ -200,20 +210,23 @@ impl Inner {
         let Some(detector) = &self.detector else {
             return;
         };
-        let Some((launch, opens)) = detector.observe(file, rank) else {
+        let Some((launch, opens, previous)) = detector.observe(file, rank) else {
             return;
         };
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
             .name("stage-detect".into())
-            .spawn(move || inner.search(launch, opens));
+            .spawn(move || inner.search(launch, opens, previous));
         if let Err(e) = spawned {
             log::warn!("cannot start the order search: {e}");
             detector.not_found();
         }
     }
 
-    fn search(self: Arc<Self>, launch: JobRank, mut opens: Vec<RankOpens>) {
+    /// Searches the opens from the first, and after a first search also from where that
+    /// one's ended (`previous`): a job whose first opens were another loader's (a validation
+    /// sanity check, a peek at a batch) starts its epoch there.
+    fn search(self: Arc<Self>, launch: JobRank, mut opens: Vec<RankOpens>, previous: usize) {
         let Some(detector) = &self.detector else {
             return;
         };
@@ -236,7 +249,20 @@ impl Inner {
             };
         }
         let hinted_seed = u64::try_from(hint.sampler.seed).ok();
-        let found = detect::detect(len, launch.world_size, hinted_seed, &opens);
+        let from = |skip: usize| -> Vec<RankOpens> {
+            opens
+                .iter()
+                .map(|r| RankOpens {
+                    rank: r.rank,
+                    indices: r.indices.get(skip..).unwrap_or_default().to_vec(),
+                })
+                .collect()
+        };
+        let found = detect::detect(len, launch.world_size, hinted_seed, &opens).or_else(|| {
+            (previous > 0)
+                .then(|| detect::detect(len, launch.world_size, hinted_seed, &from(previous)))
+                .flatten()
+        });
         log::info!(
             "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
             opens.iter().map(|r| r.indices.len()).sum::<usize>(),
@@ -264,10 +290,12 @@ impl Inner {
         };
         let flags = order.flags(epoch);
         match self.switch_to(order, epoch) {
-            Ok(()) => {
+            Ok(true) => {
                 log::warn!("--sampler auto detected: {flags}; staging ahead from now on");
                 detector.found(flags);
             }
+            // The job announces its order: that takes precedence.
+            Ok(false) => {}
             Err(e) => {
                 log::warn!("--sampler auto found {flags} but cannot follow it: {e}");
                 detector.not_found();
@@ -276,18 +304,21 @@ impl Inner {
     }
 
     /// Switches the prediction to `order` with the reader in `epoch`, placed where its recent
-    /// opens are in that order.
+    /// opens are in that order. False if something else moved the prediction meanwhile (the
+    /// job started announcing, `stagefs epoch`): that stands.
     pub(super) fn switch_to(
         &self,
         order: Order,
         epoch: u64,
-    ) -> Result<(), crate::order::OrderError> {
+    ) -> Result<bool, crate::order::OrderError> {
         // Computed before the lock is taken: opens meanwhile go on, on demand.
         let prepared = self.plan.prepare(order, epoch)?;
-        let recent = {
+        let (recent, generation) = {
             let st = self.state.lock();
-            self.plan.adopt(prepared);
-            st.tracker.recent_files()
+            if st.tracker.mode() == TrackerMode::Predicting || !self.plan.adopt(prepared) {
+                return Ok(false);
+            }
+            (st.tracker.recent_files(), self.plan.generation())
         };
         let stream = self.plan.stream(epoch);
         let span = crate::plan::reach(stream.len() as u64, self.settings.tracker.window);
@@ -295,6 +326,9 @@ impl Inner {
         let first = crate::plan::densest_run(&stream, &recent, span).map_or(0, |run| run.first);
         self.plan.epoch(epoch + 1);
         let mut st = self.state.lock();
+        if self.plan.generation() != generation || st.tracker.mode() == TrackerMode::Predicting {
+            return Ok(false);
+        }
         // Again under the lock: the opens since are the reader's too.
         let recent = st.tracker.recent_files();
         self.reposition(&mut st, self.plan.join(epoch, first));
@@ -303,6 +337,6 @@ impl Inner {
         st.hint = None;
         drop(st);
         self.work.notify_all();
-        Ok(())
+        Ok(true)
     }
 }

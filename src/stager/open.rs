@@ -188,10 +188,13 @@ impl Inner {
             if !st.resync_running && (m.became_lost || st.opens_since_resync >= RESYNC_EVERY) {
                 st.resync_running = true;
                 st.opens_since_resync = 0;
-                self.spawn_resync(
+                let (recent, epoch) = (
                     st.tracker.recent_unpredicted(),
                     st.tracker.epoch_position().0,
                 );
+                if !self.spawn_resync(recent, epoch) {
+                    st.resync_running = false;
+                }
             }
         }
     }

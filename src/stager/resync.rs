@@ -43,15 +43,17 @@ impl Inner {
 
     /// Looks for the epoch and position the recent opens follow, off the open path; for a
     /// detected order, also for a variant of it the first epoch could not tell apart.
-    pub(super) fn spawn_resync(self: &Arc<Self>, recent: Vec<FileId>, around_epoch: u64) {
+    /// False if the thread could not be started (the caller, holding the state lock, clears
+    /// `resync_running`).
+    pub(super) fn spawn_resync(self: &Arc<Self>, recent: Vec<FileId>, around_epoch: u64) -> bool {
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
             .name("stage-resync".into())
             .spawn(move || inner.resync(&recent, around_epoch));
-        if let Err(e) = spawned {
+        if let Err(e) = &spawned {
             log::warn!("cannot start a resynchronisation thread: {e}");
-            self.state.lock().resync_running = false;
         }
+        spawned.is_ok()
     }
 
     fn resync(&self, recent: &[FileId], around_epoch: u64) {
@@ -115,12 +117,17 @@ impl Inner {
             let hint = format!(
                 "the job's opens follow {flags}: remount with those flags (or with none: --sampler auto)"
             );
-            log::warn!("{hint}");
-            self.state.lock().hint = Some(hint);
+            let mut st = self.state.lock();
+            // Said once, not at every resynchronisation while lost.
+            if st.hint.as_ref() != Some(&hint) {
+                log::warn!("{hint}");
+                st.hint = Some(hint);
+            }
             return false;
         }
         match self.switch_to(variant, epoch) {
-            Ok(()) => {
+            Ok(false) => false,
+            Ok(true) => {
                 log::warn!("--sampler auto: the job's later opens follow {flags}; predicting that");
                 if let Some(d) = &self.detector {
                     d.refined(flags);
