@@ -131,7 +131,6 @@ impl Detector {
         ob.index_of = Vec::new();
     }
 
-    /// Records an open; returns the opens to search if a search is due now.
     /// Records an open; returns what to search if a search is due now: the launcher's
     /// environment, the opens per rank, and where the previous search's opens ended.
     fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>, usize)> {
