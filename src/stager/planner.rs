@@ -42,6 +42,9 @@ impl Inner {
             let epoch = st.tracker.epoch_position().0;
             drop(st);
             self.plan.forget_before(epoch);
+            // The cursor's epoch too: a reader that crossed two short epochs before this
+            // thread ran is in one nobody planned, and no open there could match.
+            self.plan.epoch(epoch);
             self.plan.epoch(epoch + 1);
             let unkeyed = self.state.lock().space.evict.files_keyed(NEVER);
             for chunk in unkeyed.chunks(REKEY_CHUNK) {
