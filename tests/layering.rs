@@ -2,8 +2,9 @@
 //! the import graph runs one way, so each layer can be read, tested and changed knowing only
 //! what is beneath it. The order, bottom to top, with why each sits where it does:
 //!
-//! - `sys`, `files`, `input`: leaves (raw Linux calls, whole-file reads and atomic writes,
-//!   user-named text files); they use nothing of the crate.
+//! - `sys`, `files`, `input`, `slow_remote`: leaves (raw Linux calls, whole-file reads and
+//!   atomic writes, user-named text files, the simulated shared file system SOURCE lives on);
+//!   they use nothing of the crate.
 //! - `stats`: counters and the metrics file; uses only `files`.
 //! - `catalog`: SOURCE's files and the dataset's sample → file layout.
 //! - `order`: the samplers (sample indices per epoch), independent of the files.
@@ -23,8 +24,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 const LAYERS: &[&str] = &[
-    "sys", "files", "input", "stats", "catalog", "order", "plan", "cache", "stager", "fs",
-    "control", "daemon", "cli",
+    "sys",
+    "files",
+    "input",
+    "slow_remote",
+    "stats",
+    "catalog",
+    "order",
+    "plan",
+    "cache",
+    "stager",
+    "fs",
+    "control",
+    "daemon",
+    "cli",
 ];
 
 /// Every `.rs` file under `dir`.

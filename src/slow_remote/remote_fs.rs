@@ -1,0 +1,379 @@
+//! The FUSE file system itself: a read-only view of a local directory whose LOOKUPs and OPENs
+//! are answered only after the latency (through [`Delayer`]), and everything else at once.
+//!
+//! Inode numbers come from a table keyed by the backing file's (device, inode), so a file keeps
+//! its number for the life of the mount, whichever way the kernel reaches it, and the root is
+//! FUSE's inode 1 whatever its backing number.
+
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, Metadata};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    IoctlFlags, KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
+};
+use parking_lot::Mutex;
+
+use super::delay::{DelayCounters, Delayer};
+
+/// How long the kernel may keep attributes and entries: NFS's attribute cache keeps them for
+/// seconds (acregmin 3 s), Lustre until its lock is revoked. One second keeps a reader's
+/// repeated stat of a file free, while a file opened again a few seconds later (the next
+/// epoch) costs its LOOKUP again, as on a shared file system whose other clients may change it.
+const TTL: Duration = Duration::from_secs(1);
+
+/// FUSE's root inode.
+const ROOT: u64 = 1;
+
+/// Backing paths by FUSE inode (index = inode − 1) and inodes by backing identity.
+struct Inodes {
+    paths: Vec<PathBuf>,
+    by_backing: HashMap<(u64, u64), u64>,
+}
+
+impl Inodes {
+    fn path(&self, ino: u64) -> Result<PathBuf, Errno> {
+        let index = ino.checked_sub(1).ok_or(Errno::ESTALE)?;
+        self.paths.get(index as usize).cloned().ok_or(Errno::ESTALE)
+    }
+
+    /// The inode of the file at `path` (whose metadata is `meta`), numbered on first sight.
+    fn number(&mut self, path: PathBuf, meta: &Metadata) -> u64 {
+        let next = self.paths.len() as u64 + 1;
+        let ino = *self
+            .by_backing
+            .entry((meta.dev(), meta.ino()))
+            .or_insert(next);
+        if ino == next {
+            self.paths.push(path);
+        }
+        ino
+    }
+}
+
+pub(super) struct RemoteFs {
+    inodes: Mutex<Inodes>,
+    open_files: Mutex<HashMap<u64, Arc<File>>>,
+    next_handle: AtomicU64,
+    delayer: Delayer,
+    counters: Arc<DelayCounters>,
+}
+
+fn errno(e: io::Error) -> Errno {
+    Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+fn system_time(secs: i64, nanos: i64) -> SystemTime {
+    let since_epoch = Duration::new(secs.unsigned_abs(), nanos as u32);
+    if secs >= 0 {
+        UNIX_EPOCH + since_epoch
+    } else {
+        UNIX_EPOCH - since_epoch
+    }
+}
+
+fn file_attr(ino: u64, m: &Metadata) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(ino),
+        size: m.len(),
+        blocks: m.blocks(),
+        atime: system_time(m.atime(), m.atime_nsec()),
+        mtime: system_time(m.mtime(), m.mtime_nsec()),
+        ctime: system_time(m.ctime(), m.ctime_nsec()),
+        crtime: system_time(m.ctime(), m.ctime_nsec()),
+        kind: kind(m),
+        perm: (m.mode() & 0o7777) as u16,
+        nlink: m.nlink() as u32,
+        uid: m.uid(),
+        gid: m.gid(),
+        rdev: m.rdev() as u32,
+        blksize: m.blksize() as u32,
+        flags: 0,
+    }
+}
+
+fn kind(m: &Metadata) -> FileType {
+    FileType::from_std(m.file_type()).unwrap_or(FileType::RegularFile)
+}
+
+/// Reads up to `size` bytes at `offset`, fewer only at the end of the file.
+fn read_at(file: &File, offset: u64, size: u32) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0; size as usize];
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64)? {
+            0 => break,
+            n => filled += n,
+        }
+    }
+    buf.truncate(filled);
+    Ok(buf)
+}
+
+impl RemoteFs {
+    pub fn new(
+        backing: PathBuf,
+        delayer: Delayer,
+        counters: Arc<DelayCounters>,
+    ) -> io::Result<RemoteFs> {
+        let meta = fs::metadata(&backing)?;
+        let mut inodes = Inodes {
+            paths: Vec::new(),
+            by_backing: HashMap::new(),
+        };
+        inodes.number(backing, &meta);
+        Ok(RemoteFs {
+            inodes: Mutex::new(inodes),
+            open_files: Mutex::new(HashMap::new()),
+            next_handle: AtomicU64::new(1),
+            delayer,
+            counters,
+        })
+    }
+
+    fn path(&self, ino: INodeNo) -> Result<PathBuf, Errno> {
+        self.inodes.lock().path(ino.0)
+    }
+
+    /// The entry `name` in directory `parent`, numbered, with its attributes.
+    fn entry(&self, parent: INodeNo, name: &OsStr) -> Result<FileAttr, Errno> {
+        let path = self.path(parent)?.join(name);
+        let meta = fs::symlink_metadata(&path).map_err(errno)?;
+        let ino = self.inodes.lock().number(path, &meta);
+        Ok(file_attr(ino, &meta))
+    }
+
+    /// Directory entries sorted by name, so an offset means the same entry on every call.
+    fn list(&self, dir: INodeNo) -> Result<Vec<(u64, FileType, OsString)>, Errno> {
+        let dir_path = self.path(dir)?;
+        let mut names: Vec<OsString> = fs::read_dir(&dir_path)
+            .and_then(|entries| entries.map(|e| e.map(|e| e.file_name())).collect())
+            .map_err(errno)?;
+        names.sort();
+        names
+            .into_iter()
+            .map(|name| {
+                let attr = self.entry(dir, &name)?;
+                Ok((attr.ino.0, attr.kind, name))
+            })
+            .collect()
+    }
+
+    fn open_file(&self, ino: INodeNo, flags: OpenFlags) -> Result<FileHandle, Errno> {
+        if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
+            return Err(Errno::EROFS);
+        }
+        let file = File::open(self.path(ino)?).map_err(errno)?;
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.open_files.lock().insert(handle, Arc::new(file));
+        Ok(FileHandle(handle))
+    }
+}
+
+impl Filesystem for RemoteFs {
+    /// Lookups in one directory may run in parallel, as on a network file system's client
+    /// (without this flag the kernel sends them one at a time per directory).
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        Ok(())
+    }
+
+    /// A metadata-server round trip: answered after the latency, found or not.
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.counters.lookups.fetch_add(1, Ordering::Relaxed);
+        let found = self.entry(parent, name);
+        self.delayer.after_latency(move || match found {
+            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Err(e) => reply.error(e),
+        });
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let attr = self
+            .path(ino)
+            .and_then(|path| fs::symlink_metadata(path).map_err(errno));
+        match attr {
+            Ok(meta) => reply.attr(&TTL, &file_attr(ino.0, &meta)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self
+            .path(ino)
+            .and_then(|path| fs::read_link(path).map_err(errno))
+        {
+            Ok(target) => reply.data(target.as_os_str().as_bytes()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// A metadata-server round trip: answered after the latency. No `FOPEN_KEEP_CACHE`: like
+    /// NFS's close-to-open consistency, each open starts from the server's data.
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.counters.opens.fetch_add(1, Ordering::Relaxed);
+        let opened = self.open_file(ino, flags);
+        self.delayer.after_latency(move || match opened {
+            Ok(handle) => reply.opened(handle, FopenFlags::empty()),
+            Err(e) => reply.error(e),
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let file = self.open_files.lock().get(&fh.0).cloned();
+        match file.map(|f| read_at(&f, offset, size)) {
+            Some(Ok(bytes)) => reply.data(&bytes),
+            Some(Err(e)) => reply.error(errno(e)),
+            None => reply.error(Errno::EBADF),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.open_files.lock().remove(&fh.0);
+        reply.ok();
+    }
+
+    /// Nothing is buffered; ENOSYS makes the kernel stop sending flushes (fuser's default
+    /// answers the same with a warning per close).
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        match self.list(ino) {
+            Ok(entries) => {
+                for (i, (child, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+                    if reply.add(INodeNo(*child), i as u64 + 1, *kind, name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let root = self
+            .path(INodeNo(ROOT))
+            .and_then(|p| File::open(p).map_err(errno));
+        let root = match root {
+            Ok(f) => f,
+            Err(e) => return reply.error(e),
+        };
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid open descriptor and a statvfs owned here.
+        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut s) } != 0 {
+            return reply.error(errno(io::Error::last_os_error()));
+        }
+        reply.statfs(
+            s.f_blocks,
+            s.f_bfree,
+            s.f_bavail,
+            s.f_files,
+            s.f_ffree,
+            s.f_bsize as u32,
+            s.f_namemax as u32,
+            s.f_frsize as u32,
+        );
+    }
+
+    /// No extended attributes; ENOSYS makes the kernel stop asking.
+    fn getxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: ReplyXattr,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: ReplyXattr) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    /// Python's `open()` asks whether the file is a terminal; a regular file says no.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::ENOTTY);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_keeps_its_number_and_the_root_is_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a");
+        fs::write(&file, b"x").unwrap();
+        let root_meta = fs::metadata(dir.path()).unwrap();
+        let meta = fs::metadata(&file).unwrap();
+        let mut inodes = Inodes {
+            paths: Vec::new(),
+            by_backing: HashMap::new(),
+        };
+        assert_eq!(inodes.number(dir.path().to_path_buf(), &root_meta), ROOT);
+        let first = inodes.number(file.clone(), &meta);
+        assert_eq!(inodes.number(file.clone(), &meta), first);
+        assert_eq!(inodes.path(first).unwrap(), file);
+        assert_eq!(inodes.path(0), Err(Errno::ESTALE));
+        assert_eq!(inodes.path(first + 1), Err(Errno::ESTALE));
+    }
+}
