@@ -18,11 +18,16 @@ const MILLIS: Latency = Latency {
     metadata: Duration::from_millis(1),
 };
 
-/// A dataset under `work/backing` served at `work/remote`.
-fn mounted(work: &Path, n: u32, latency: Latency) -> (Vec<std::path::PathBuf>, SlowRemote) {
+/// A dataset of `n` files in `classes` folders under `work/backing`, served at `work/remote`.
+fn mounted(
+    work: &Path,
+    n: u32,
+    classes: u32,
+    latency: Latency,
+) -> (Vec<std::path::PathBuf>, SlowRemote) {
     require_fuse();
     let backing = work.join("backing");
-    let files = image_folder(&backing, n, 4, 1, 300_000);
+    let files = image_folder(&backing, n, classes, 1, 300_000);
     let remote = work.join("remote");
     fs::create_dir_all(&remote).unwrap();
     let slow = SlowRemote::mount(&backing, &remote, latency).unwrap();
@@ -45,7 +50,7 @@ fn names(dir: &Path) -> Vec<String> {
 #[test]
 fn serves_the_backing_names_and_bytes_and_counts_each_open() {
     let work = tempfile::tempdir().unwrap();
-    let (files, slow) = mounted(work.path(), 40, MILLIS);
+    let (files, slow) = mounted(work.path(), 40, 4, MILLIS);
     let remote = slow.mountpoint().to_path_buf();
     assert_eq!(names(&remote), names(&work.path().join("backing")));
     assert_eq!(
@@ -70,7 +75,7 @@ fn serves_the_backing_names_and_bytes_and_counts_each_open() {
 #[test]
 fn writes_are_refused_read_only() {
     let work = tempfile::tempdir().unwrap();
-    let (files, slow) = mounted(work.path(), 4, MILLIS);
+    let (files, slow) = mounted(work.path(), 4, 4, MILLIS);
     let remote = slow.mountpoint().to_path_buf();
     let erofs = |r: std::io::Result<fs::File>| r.unwrap_err().raw_os_error();
     assert_eq!(
@@ -92,8 +97,10 @@ fn writes_are_refused_read_only() {
 }
 
 /// All readers wait out their latency together: a server answering one request at a time
-/// would never have more than one in flight. The latency is long only so that every reader's
-/// request surely arrives while the first still waits; nothing here measures time.
+/// would never have more than one in flight. The files share one folder, so their LOOKUPs
+/// overlap only if the kernel sends them in parallel (as a network file system's client
+/// does). The latency is long only so that every reader's request surely arrives while the
+/// first still waits; nothing here measures time.
 #[test]
 fn concurrent_opens_wait_at_the_same_time() {
     const READERS: usize = 12;
@@ -101,7 +108,7 @@ fn concurrent_opens_wait_at_the_same_time() {
     let slow_latency = Latency {
         metadata: Duration::from_secs(3),
     };
-    let (files, slow) = mounted(work.path(), READERS as u32, slow_latency);
+    let (files, slow) = mounted(work.path(), READERS as u32, 1, slow_latency);
     let barrier = Arc::new(Barrier::new(READERS));
     std::thread::scope(|s| {
         for f in &files {
@@ -129,7 +136,7 @@ fn concurrent_opens_wait_at_the_same_time() {
 #[test]
 fn a_stagefs_mount_on_top_serves_the_same_bytes() {
     let work = tempfile::tempdir().unwrap();
-    let (files, slow) = mounted(work.path(), 60, MILLIS);
+    let (files, slow) = mounted(work.path(), 60, 4, MILLIS);
     let mnt = work.path().join("mnt");
     fs::create_dir_all(&mnt).unwrap();
     let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
