@@ -183,13 +183,13 @@ impl RemoteFs {
 impl Filesystem for RemoteFs {
     /// Lookups in one directory may run in parallel, as on a network file system's client
     /// (without this flag the kernel sends them one at a time per directory).
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+    fn init(&mut self, _: &Request, config: &mut KernelConfig) -> io::Result<()> {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         Ok(())
     }
 
     /// A metadata-server round trip: answered after the latency, found or not.
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, _: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
         let found = self.entry(parent, name);
         self.delayer.after_latency(move || match found {
@@ -198,7 +198,7 @@ impl Filesystem for RemoteFs {
         });
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+    fn getattr(&self, _: &Request, ino: INodeNo, _: Option<FileHandle>, reply: ReplyAttr) {
         let attr = self
             .path(ino)
             .and_then(|path| fs::symlink_metadata(path).map_err(errno));
@@ -208,7 +208,7 @@ impl Filesystem for RemoteFs {
         }
     }
 
-    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+    fn readlink(&self, _: &Request, ino: INodeNo, reply: ReplyData) {
         match self
             .path(ino)
             .and_then(|path| fs::read_link(path).map_err(errno))
@@ -220,7 +220,7 @@ impl Filesystem for RemoteFs {
 
     /// A metadata-server round trip: answered after the latency. No `FOPEN_KEEP_CACHE`: like
     /// NFS's close-to-open consistency, each open starts from the server's data.
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.counters.opens.fetch_add(1, Ordering::Relaxed);
         let opened = self.open_file(ino, flags);
         self.delayer.after_latency(move || match opened {
@@ -231,13 +231,13 @@ impl Filesystem for RemoteFs {
 
     fn read(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
+        _: &Request,
+        _: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        _: OpenFlags,
+        _: Option<LockOwner>,
         reply: ReplyData,
     ) {
         let file = self.open_files.lock().get(&fh.0).cloned();
@@ -250,12 +250,12 @@ impl Filesystem for RemoteFs {
 
     fn release(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
+        _: &Request,
+        _: INodeNo,
         fh: FileHandle,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        _flush: bool,
+        _: OpenFlags,
+        _: Option<LockOwner>,
+        _: bool,
         reply: ReplyEmpty,
     ) {
         self.open_files.lock().remove(&fh.0);
@@ -263,23 +263,16 @@ impl Filesystem for RemoteFs {
     }
 
     /// Nothing is buffered; ENOSYS makes the kernel stop sending flushes (fuser's default
-    /// answers the same with a warning per close).
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
+    /// answers the same, with a warning).
+    fn flush(&self, _: &Request, _: INodeNo, _: FileHandle, _: LockOwner, reply: ReplyEmpty) {
         reply.error(Errno::ENOSYS);
     }
 
     fn readdir(
         &self,
-        _req: &Request,
+        _: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        _: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
@@ -296,7 +289,7 @@ impl Filesystem for RemoteFs {
         }
     }
 
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+    fn statfs(&self, _: &Request, _: INodeNo, reply: ReplyStatfs) {
         let root = self
             .path(INodeNo(ROOT))
             .and_then(|p| File::open(p).map_err(errno));
@@ -323,31 +316,24 @@ impl Filesystem for RemoteFs {
     }
 
     /// No extended attributes; ENOSYS makes the kernel stop asking.
-    fn getxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
-        reply: ReplyXattr,
-    ) {
+    fn getxattr(&self, _: &Request, _: INodeNo, _: &OsStr, _: u32, reply: ReplyXattr) {
         reply.error(Errno::ENOSYS);
     }
 
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: ReplyXattr) {
+    fn listxattr(&self, _: &Request, _: INodeNo, _: u32, reply: ReplyXattr) {
         reply.error(Errno::ENOSYS);
     }
 
     /// Python's `open()` asks whether the file is a terminal; a regular file says no.
     fn ioctl(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _flags: IoctlFlags,
-        _cmd: u32,
-        _in_data: &[u8],
-        _out_size: u32,
+        _: &Request,
+        _: INodeNo,
+        _: FileHandle,
+        _: IoctlFlags,
+        _: u32,
+        _: &[u8],
+        _: u32,
         reply: ReplyIoctl,
     ) {
         reply.error(Errno::ENOTTY);
