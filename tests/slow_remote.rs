@@ -72,6 +72,33 @@ fn serves_the_backing_names_and_bytes_and_counts_each_open() {
     assert_eq!(meta.len(), fs::metadata(&files[3]).unwrap().len());
 }
 
+/// A folder larger than one READDIR reply is listed in pieces: every name comes once.
+#[test]
+fn a_large_folder_lists_every_name_once() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let backing = work.path().join("backing");
+    let names_and_bodies: Vec<(String, Vec<u8>)> = (0..700)
+        .map(|i| {
+            (
+                format!("big/a_rather_long_file_name_{i:05}.jpg"),
+                vec![i as u8],
+            )
+        })
+        .collect();
+    let tree: Vec<(&str, Vec<u8>)> = names_and_bodies
+        .iter()
+        .map(|(n, b)| (n.as_str(), b.clone()))
+        .collect();
+    write_tree(&backing, &tree);
+    let remote = work.path().join("remote");
+    fs::create_dir_all(&remote).unwrap();
+    let slow = SlowRemote::mount(&backing, &remote, MILLIS).unwrap();
+    let listed = names(&slow.mountpoint().join("big"));
+    assert_eq!(listed.len(), 700);
+    assert_eq!(listed, names(&backing.join("big")));
+}
+
 #[test]
 fn writes_are_refused_read_only() {
     let work = tempfile::tempdir().unwrap();

@@ -64,6 +64,10 @@ impl Inodes {
 pub(super) struct RemoteFs {
     inodes: Mutex<Inodes>,
     open_files: Mutex<HashMap<u64, Arc<File>>>,
+    /// Each open directory's names, sorted, as listed at OPENDIR: an offset into them means
+    /// the same entry on every READDIR of that handle, and a large directory is listed once.
+    listings: Mutex<HashMap<u64, Arc<Vec<OsString>>>>,
+    /// File and directory handles, from one sequence.
     next_handle: AtomicU64,
     delayer: Delayer,
     counters: Arc<DelayCounters>,
@@ -135,6 +139,7 @@ impl RemoteFs {
         Ok(RemoteFs {
             inodes: Mutex::new(inodes),
             open_files: Mutex::new(HashMap::new()),
+            listings: Mutex::new(HashMap::new()),
             next_handle: AtomicU64::new(1),
             delayer,
             counters,
@@ -153,20 +158,8 @@ impl RemoteFs {
         Ok(file_attr(ino, &meta))
     }
 
-    /// Directory entries sorted by name, so an offset means the same entry on every call.
-    fn list(&self, dir: INodeNo) -> Result<Vec<(u64, FileType, OsString)>, Errno> {
-        let dir_path = self.path(dir)?;
-        let mut names: Vec<OsString> = fs::read_dir(&dir_path)
-            .and_then(|entries| entries.map(|e| e.map(|e| e.file_name())).collect())
-            .map_err(errno)?;
-        names.sort();
-        names
-            .into_iter()
-            .map(|name| {
-                let attr = self.entry(dir, &name)?;
-                Ok((attr.ino.0, attr.kind, name))
-            })
-            .collect()
+    fn new_handle(&self) -> u64 {
+        self.next_handle.fetch_add(1, Ordering::Relaxed)
     }
 
     fn open_file(&self, ino: INodeNo, flags: OpenFlags) -> Result<FileHandle, Errno> {
@@ -174,8 +167,18 @@ impl RemoteFs {
             return Err(Errno::EROFS);
         }
         let file = File::open(self.path(ino)?).map_err(errno)?;
-        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let handle = self.new_handle();
         self.open_files.lock().insert(handle, Arc::new(file));
+        Ok(FileHandle(handle))
+    }
+
+    fn open_listing(&self, dir: INodeNo) -> Result<FileHandle, Errno> {
+        let mut names: Vec<OsString> = fs::read_dir(self.path(dir)?)
+            .and_then(|entries| entries.map(|e| e.map(|e| e.file_name())).collect())
+            .map_err(errno)?;
+        names.sort();
+        let handle = self.new_handle();
+        self.listings.lock().insert(handle, Arc::new(names));
         Ok(FileHandle(handle))
     }
 }
@@ -268,25 +271,40 @@ impl Filesystem for RemoteFs {
         reply.error(Errno::ENOSYS);
     }
 
+    fn opendir(&self, _: &Request, ino: INodeNo, _: OpenFlags, reply: ReplyOpen) {
+        match self.open_listing(ino) {
+            Ok(handle) => reply.opened(handle, FopenFlags::empty()),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    /// Lists no `.` and `..`: the kernel resolves those names without asking (only `ls -a`
+    /// misses them).
     fn readdir(
         &self,
         _: &Request,
         ino: INodeNo,
-        _: FileHandle,
+        fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        match self.list(ino) {
-            Ok(entries) => {
-                for (i, (child, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
-                    if reply.add(INodeNo(*child), i as u64 + 1, *kind, name) {
-                        break;
-                    }
-                }
-                reply.ok();
+        let Some(names) = self.listings.lock().get(&fh.0).cloned() else {
+            return reply.error(Errno::EBADF);
+        };
+        for (i, name) in names.iter().enumerate().skip(offset as usize) {
+            // A name gone since OPENDIR is left out, as a local readdir would.
+            if let Ok(attr) = self.entry(ino, name)
+                && reply.add(attr.ino, i as u64 + 1, attr.kind, name)
+            {
+                break;
             }
-            Err(e) => reply.error(e),
         }
+        reply.ok();
+    }
+
+    fn releasedir(&self, _: &Request, _: INodeNo, fh: FileHandle, _: OpenFlags, reply: ReplyEmpty) {
+        self.listings.lock().remove(&fh.0);
+        reply.ok();
     }
 
     fn statfs(&self, _: &Request, _: INodeNo, reply: ReplyStatfs) {
