@@ -72,6 +72,10 @@ fn make_dataset(root: &Path, files: u32) -> anyhow::Result<()> {
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let _ = daemon::logger("warn").try_init();
+    // Before any thread exists (the slow remote's included): a Ctrl-C taken by a thread that
+    // does not block it would end the process with both mounts up, leaving them dead. Mounting
+    // blocks the signals from then on anyway.
+    daemon::block_termination_signals();
     let temp = match &args.workdir {
         Some(_) => None,
         None => Some(

@@ -101,8 +101,8 @@ fn answer_when_due(shared: &Shared) {
                 let (_, answer) = queue.pending.pop_front().expect("a front entry");
                 // Answered unlocked: the session thread keeps queueing meanwhile.
                 drop(queue);
-                answer();
                 shared.counters.in_flight.fetch_sub(1, Ordering::SeqCst);
+                answer();
                 queue = shared.queue.lock();
             }
             Some(&(due, _)) => {
