@@ -195,3 +195,15 @@ fn a_stagefs_mount_on_top_serves_the_same_bytes() {
         "stagefs read every file from the slow remote"
     );
 }
+
+#[test]
+fn a_missing_backing_directory_is_refused_before_mounting() {
+    let work = tempfile::tempdir().unwrap();
+    let remote = work.path().join("remote");
+    fs::create_dir_all(&remote).unwrap();
+    let err = SlowRemote::mount(&work.path().join("nowhere"), &remote, MILLIS)
+        .err()
+        .expect("a missing directory is refused");
+    assert!(err.to_string().contains("nowhere"), "{err}");
+    assert!(!is_mounted(&remote));
+}

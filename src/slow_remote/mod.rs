@@ -38,7 +38,7 @@ pub enum SlowRemoteError {
     #[error("cannot start the slow remote's answering thread: {0}")]
     Thread(std::io::Error),
     #[error(
-        "cannot mount the slow remote at {path}: {source} (FUSE mounts need root or fusermount3)"
+        "cannot mount the slow remote at {path}: {source} (FUSE mounts need /dev/fuse, and root or fusermount3)"
     )]
     Mount {
         path: PathBuf,
