@@ -14,6 +14,7 @@
 //! - `control`: the running mount's control channel (the feed hook's announcements, `stagefs
 //!   epoch`), checked against the `catalog` and handed to the `stager`.
 //! - `daemon`: the mounted process around `fs` and `control`.
+//! - `bench`: a benchmark that mounts through `daemon` and reads as a job would.
 //! - `cli`: the commands, wiring everything.
 //!
 //! The check reads the sources: every `crate::X` (in code or an intra-doc link) inside module M
@@ -24,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 const LAYERS: &[&str] = &[
     "sys", "files", "input", "stats", "catalog", "order", "plan", "cache", "stager", "fs",
-    "control", "daemon", "cli",
+    "control", "daemon", "bench", "cli",
 ];
 
 /// Every `.rs` file under `dir`.
