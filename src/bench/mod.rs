@@ -159,8 +159,8 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         subset: SubsetSummary {
             files: subset.paths.len() as u64,
             bytes: subset.bytes,
-            classes: subset.classes.map(|c| c.0),
-            classes_in_source: subset.classes.map(|c| c.1),
+            classes: subset.classes.clone(),
+            classes_in_source: subset.classes_in_source,
         },
         ..Report::default()
     };

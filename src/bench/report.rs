@@ -25,11 +25,11 @@ pub struct Report {
 pub struct SubsetSummary {
     pub files: u64,
     pub bytes: u64,
-    /// Class folders read, when SOURCE is ImageFolder-shaped.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub classes: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub classes_in_source: Option<usize>,
+    /// The class folders read, when SOURCE is ImageFolder-shaped.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<String>,
+    /// How many class folders SOURCE has (0: a flat dataset).
+    pub classes_in_source: usize,
 }
 
 /// The methods that ran, by the names the JSON uses.
@@ -117,9 +117,9 @@ const MB: f64 = 1e6;
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     let s = &report.subset;
-    let classes = match (s.classes, s.classes_in_source) {
-        (Some(c), Some(of)) => format!(" in {c} of {of} classes"),
-        _ => String::new(),
+    let classes = match s.classes_in_source {
+        0 => String::new(),
+        of => format!(" in {} of {of} classes", s.classes.len()),
     };
     let _ = writeln!(
         out,
@@ -227,8 +227,8 @@ mod tests {
             subset: SubsetSummary {
                 files: 200,
                 bytes: 2_000_000,
-                classes: Some(10),
-                classes_in_source: Some(40),
+                classes: (0..10).map(|c| format!("n{c:08}")).collect(),
+                classes_in_source: 40,
             },
             methods: Methods {
                 direct: Some(MethodRun {
@@ -263,7 +263,8 @@ mod tests {
         assert_eq!(methods["stagefs"]["epochs"][1]["hits"], 200);
         assert_eq!(methods["stagefs"]["mount_seconds"], 0.5);
         assert_eq!(methods["copy_first"]["skipped"], "no room");
-        assert_eq!(json["subset"]["classes"], 10);
+        assert_eq!(json["subset"]["classes"][9], "n00000009");
+        assert_eq!(json["subset"]["classes_in_source"], 40);
     }
 
     #[test]

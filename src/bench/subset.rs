@@ -32,8 +32,10 @@ pub struct Subset {
     pub paths: Vec<PathBuf>,
     /// Their total size.
     pub bytes: u64,
-    /// Class folders chosen and in SOURCE; `None` for a flat dataset.
-    pub classes: Option<(usize, usize)>,
+    /// The class folders chosen, in the dataset's order; empty for a flat dataset.
+    pub classes: Vec<String>,
+    /// How many class folders SOURCE has (0 for a flat dataset).
+    pub classes_in_source: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +62,7 @@ pub fn choose(
     if let SubsetSize::Fraction(f) = size {
         check_fraction(f)?;
     }
-    let (units, image_folder) = units(catalog, extensions)?;
+    let (units, class_names) = units(catalog, extensions)?;
     let total: u64 = units.iter().map(|u| u.len() as u64).sum();
     if total == 0 {
         return Err(SubsetError::Empty);
@@ -88,6 +90,9 @@ pub fn choose(
     let picked: Vec<&Vec<u32>> = (units.iter().zip(&chosen))
         .filter_map(|(u, &c)| c.then_some(u))
         .collect();
+    let classes = (class_names.iter().zip(&chosen))
+        .filter_map(|(name, &c)| c.then(|| name.clone()))
+        .collect();
     let files: Vec<u32> = picked.iter().flat_map(|u| u.iter().copied()).collect();
     Ok(Subset {
         paths: files.iter().map(|&f| catalog.relative_path(f)).collect(),
@@ -96,7 +101,8 @@ pub fn choose(
             .filter_map(|&f| catalog.entry(f))
             .map(|e| e.size)
             .sum(),
-        classes: image_folder.then_some((picked.len(), units.len())),
+        classes,
+        classes_in_source: class_names.len(),
     })
 }
 
@@ -110,28 +116,32 @@ pub fn check_fraction(f: f64) -> Result<f64, SubsetError> {
 }
 
 /// What the subset is cut into, in the dataset's order: an ImageFolder's classes (its files
-/// grouped by class folder), else every file on its own. The flag says which.
-fn units(catalog: &Catalog, extensions: &[String]) -> Result<(Vec<Vec<u32>>, bool), SubsetError> {
+/// grouped by class folder) with the classes' names, else every file on its own and no names.
+fn units(
+    catalog: &Catalog,
+    extensions: &[String],
+) -> Result<(Vec<Vec<u32>>, Vec<String>), SubsetError> {
     match Layout::build(catalog, LayoutKind::ImageFolder, extensions, None) {
         Ok(layout) => {
             let mut classes: Vec<Vec<u32>> = Vec::new();
-            let mut last_class = None;
+            let mut names: Vec<String> = Vec::new();
             for file in (0..layout.len() as u32).filter_map(|i| layout.file_of(i)) {
                 // A class's samples are consecutive in the layout; the top folder names it.
                 let path = catalog.relative_path(file);
-                let class = path.components().next().map(|c| c.as_os_str().to_owned());
-                if class != last_class || classes.is_empty() {
+                let class = path.components().next().map(|c| c.as_os_str().to_string_lossy());
+                let class = class.unwrap_or_default().into_owned();
+                if names.last() != Some(&class) {
+                    names.push(class);
                     classes.push(Vec::new());
-                    last_class = class;
                 }
                 classes.last_mut().expect("pushed above").push(file);
             }
-            Ok((classes, true))
+            Ok((classes, names))
         }
         Err(LayoutError::Empty(_)) => {
             let layout = Layout::build(catalog, LayoutKind::Tree, extensions, None)?;
             let files = (0..layout.len() as u32).filter_map(|i| layout.file_of(i));
-            Ok((files.map(|f| vec![f]).collect(), false))
+            Ok((files.map(|f| vec![f]).collect(), Vec::new()))
         }
         Err(e) => Err(e.into()),
     }
@@ -188,10 +198,10 @@ mod tests {
         // 50 files need three classes of 20: whole ones, never part of one.
         assert_eq!(a.paths.len(), 60);
         assert_eq!(a.bytes, 600);
-        assert_eq!(a.classes, Some((3, 10)));
+        assert_eq!((a.classes.len(), a.classes_in_source), (3, 10));
         let mut classes: Vec<String> = a.paths.iter().map(|p| class_of(p)).collect();
         classes.dedup();
-        assert_eq!(classes.len(), 3, "{classes:?}");
+        assert_eq!(classes, a.classes, "whole classes, each once");
         let mut sorted = classes.clone();
         sorted.sort();
         assert_eq!(classes, sorted, "the dataset's own order");
@@ -231,7 +241,7 @@ mod tests {
         let (_dir, catalog) = dataset(0, 30);
         let some = pick(&catalog, SubsetSize::Files(7), 1);
         assert_eq!(some.paths.len(), 7);
-        assert_eq!(some.classes, None);
+        assert_eq!((some.classes.len(), some.classes_in_source), (0, 0));
         let mut sorted = some.paths.clone();
         sorted.sort();
         assert_eq!(some.paths, sorted);

@@ -71,7 +71,7 @@ pub enum Command {
 pub struct SamplerArgs {
     /// Sampler the job uses (`auto`: found from the job's first opens; `feed`: the job
     /// announces its order, see `stagefs feed-env`) [default: auto for mount, torch-distributed
-    /// for order]
+    /// for order and bench]
     #[arg(long, value_enum, value_name = "NAME")]
     pub sampler: Option<SamplerKind>,
     /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed) [default: 0]
