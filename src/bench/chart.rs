@@ -11,7 +11,11 @@ use super::report::Report;
 /// Pixels: wide enough for a dozen epochs' labels, small enough for a README.
 const SIZE: (u32, u32) = (720, 420);
 /// One colour per method, in [`super::Method::ALL`]'s order.
-const COLOURS: [RGBColor; 3] = [RGBColor(204, 51, 17), RGBColor(0, 119, 187), RGBColor(0, 153, 136)];
+const COLOURS: [RGBColor; 3] = [
+    RGBColor(204, 51, 17),
+    RGBColor(0, 119, 187),
+    RGBColor(0, 153, 136),
+];
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot draw the chart {path}: {message}")]
@@ -65,7 +69,11 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), ChartError> {
             .label(method.name())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
         chart
-            .draw_series(points.into_iter().map(|p| Circle::new(p, 3, colour.filled())))
+            .draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, colour.filled())),
+            )
             .map_err(|e| fail(&e))?;
     }
     chart
@@ -112,9 +120,14 @@ mod tests {
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.starts_with("<svg"), "{svg}");
         // A method's line is the only polyline drawn 2 px wide; its legend entry is text.
-        let lines = svg.lines().filter(|l| l.starts_with("<polyline") && l.contains(r#"stroke-width="2""#));
+        let lines = svg
+            .lines()
+            .filter(|l| l.starts_with("<polyline") && l.contains(r#"stroke-width="2""#));
         assert_eq!(lines.count(), 2, "{svg}");
-        assert!(svg.contains("\ndirect\n") && svg.contains("\nstagefs\n"), "{svg}");
+        assert!(
+            svg.contains("\ndirect\n") && svg.contains("\nstagefs\n"),
+            "{svg}"
+        );
         assert!(!svg.contains("copy-first"), "{svg}");
     }
 }

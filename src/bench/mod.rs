@@ -9,7 +9,7 @@
 //! `subset.paths[i]`), so sample i is the same file for all three methods and the mount
 //! predicts exactly what the loop reads. It runs in this process, like the demo's.
 //!
-//! It sits above [`crate::daemon`] (it mounts) and below [`crate::cli`], so the demo can call
+//! It sits above [`crate::daemon`] (it mounts) and below the command line (`cli`), so the demo can call
 //! [`run`] and print [`report::table`] too. Everything it makes (mount, its cache, the copy,
 //! the list file) lives in one new directory under the cache directory and goes with it, on
 //! success, on error and when interrupted; SOURCE is only read.
@@ -312,8 +312,7 @@ impl Bench<'_> {
                             if self.config.cancel.load(Ordering::Relaxed) {
                                 return Err(BenchError::Interrupted);
                             }
-                            let Some(rel) = paths.get(next.fetch_add(1, Ordering::Relaxed))
-                            else {
+                            let Some(rel) = paths.get(next.fetch_add(1, Ordering::Relaxed)) else {
                                 return Ok(());
                             };
                             let target = to.join(rel);

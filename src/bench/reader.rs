@@ -245,7 +245,10 @@ mod tests {
             &AtomicBool::new(false),
         )
         .unwrap_err();
-        assert!(matches!(&err, ReadError::Io { path, .. } if path.ends_with("gone")), "{err}");
+        assert!(
+            matches!(&err, ReadError::Io { path, .. } if path.ends_with("gone")),
+            "{err}"
+        );
     }
 
     #[test]

@@ -166,7 +166,11 @@ pub fn table(report: &Report) -> String {
             let _ = writeln!(out, "{}: copy before epoch 0: {t:.2} s", method.name());
         }
         if let Some(t) = run.mount_seconds {
-            let _ = writeln!(out, "{}: mount (scan) before epoch 0: {t:.2} s", method.name());
+            let _ = writeln!(
+                out,
+                "{}: mount (scan) before epoch 0: {t:.2} s",
+                method.name()
+            );
         }
     }
     out.push_str(&ratios(report));
@@ -177,7 +181,12 @@ pub fn table(report: &Report) -> String {
 /// (setup included), e.g. `stagefs vs direct: epochs 0.95× 4.10× 4.21×; whole run 2.9×`.
 fn ratios(report: &Report) -> String {
     let mut out = String::new();
-    let Some(direct) = report.methods.direct.as_ref().filter(|d| d.skipped.is_none()) else {
+    let Some(direct) = report
+        .methods
+        .direct
+        .as_ref()
+        .filter(|d| d.skipped.is_none())
+    else {
         return out;
     };
     for (method, run) in report.methods.iter() {
@@ -270,15 +279,29 @@ mod tests {
     #[test]
     fn the_table_shows_every_epoch_and_the_ratios() {
         let text = table(&report());
-        assert!(text.starts_with("subset: 200 files in 10 of 40 classes, 2.0 MB\n"), "{text}");
-        let rows: Vec<&str> = text.lines().filter(|l| l.trim_start().starts_with(['0', '1'])).collect();
+        assert!(
+            text.starts_with("subset: 200 files in 10 of 40 classes, 2.0 MB\n"),
+            "{text}"
+        );
+        let rows: Vec<&str> = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with(['0', '1']))
+            .collect();
         assert_eq!(rows.len(), 4, "{text}");
-        assert!(rows[1].contains("stagefs") && rows[1].contains("150/200"), "{text}");
-        assert!(rows[0].contains("direct") && rows[0].contains(" - "), "{text}");
+        assert!(
+            rows[1].contains("stagefs") && rows[1].contains("150/200"),
+            "{text}"
+        );
+        assert!(
+            rows[0].contains("direct") && rows[0].contains(" - "),
+            "{text}"
+        );
         assert!(text.contains("copy-first: skipped: no room"), "{text}");
         // 8 s direct against 0.5 + 3.5 + 1.0 s.
         assert!(
-            text.contains("stagefs vs direct (× faster): epochs 1.14× 4.00×; whole run with the mount 1.60×"),
+            text.contains(
+                "stagefs vs direct (× faster): epochs 1.14× 4.00×; whole run with the mount 1.60×"
+            ),
             "{text}"
         );
     }

@@ -128,7 +128,10 @@ fn units(
             for file in (0..layout.len() as u32).filter_map(|i| layout.file_of(i)) {
                 // A class's samples are consecutive in the layout; the top folder names it.
                 let path = catalog.relative_path(file);
-                let class = path.components().next().map(|c| c.as_os_str().to_string_lossy());
+                let class = path
+                    .components()
+                    .next()
+                    .map(|c| c.as_os_str().to_string_lossy());
                 let class = class.unwrap_or_default().into_owned();
                 if names.last() != Some(&class) {
                     names.push(class);
@@ -216,9 +219,15 @@ mod tests {
     #[test]
     fn fraction_rounds_up_to_whole_classes() {
         let (_dir, catalog) = dataset(10, 20);
-        assert_eq!(pick(&catalog, SubsetSize::Fraction(0.25), 7).paths.len(), 60);
+        assert_eq!(
+            pick(&catalog, SubsetSize::Fraction(0.25), 7).paths.len(),
+            60
+        );
         assert_eq!(pick(&catalog, SubsetSize::Fraction(0.2), 7).paths.len(), 40);
-        assert_eq!(pick(&catalog, SubsetSize::Fraction(1.0), 7).paths.len(), 200);
+        assert_eq!(
+            pick(&catalog, SubsetSize::Fraction(1.0), 7).paths.len(),
+            200
+        );
         for bad in [0.0, -0.5, 1.01, f64::NAN] {
             let err = choose(&catalog, &extensions(), SubsetSize::Fraction(bad), 0);
             assert!(matches!(err, Err(SubsetError::Fraction(_))), "{bad}");
@@ -253,6 +262,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let catalog = Catalog::scan(dir.path(), 1).unwrap();
         let err = choose(&catalog, &extensions(), SubsetSize::All, 0);
-        assert!(matches!(err, Err(SubsetError::Layout(_) | SubsetError::Empty)), "{err:?}");
+        assert!(
+            matches!(err, Err(SubsetError::Layout(_) | SubsetError::Empty)),
+            "{err:?}"
+        );
     }
 }

@@ -294,8 +294,8 @@ impl CacheDir {
 /// Bytes the file system holding `path` can still take (for an unprivileged user), and its
 /// total size.
 pub fn filesystem_space(path: &Path) -> io::Result<(u64, u64)> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(io::Error::other)?;
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
     // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid C string and out pointer.

@@ -53,7 +53,13 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub compute_ms: u64,
     /// Methods to run, comma separated
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,stagefs,copy-first", value_name = "LIST")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "direct,stagefs,copy-first",
+        value_name = "LIST"
+    )]
     pub methods: Vec<Method>,
     /// Write the results as JSON to FILE, and the chart of epoch times beside it as FILE with `.svg`
     #[arg(long, value_name = "FILE")]
