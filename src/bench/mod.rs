@@ -9,10 +9,10 @@
 //! `subset.paths[i]`), so sample i is the same file for all three methods and the mount
 //! predicts exactly what the loop reads. It runs in this process, like the demo's.
 //!
-//! It sits above [`crate::daemon`] (it mounts) and below the command line (`cli`), so the demo can call
-//! [`run`] and print [`report::table`] too. Everything it makes (mount, its cache, the copy,
-//! the list file) lives in one new directory under the cache directory and goes with it, on
-//! success, on error and when interrupted; SOURCE is only read.
+//! It sits above [`crate::daemon`] (it mounts) and below the command line (`cli`), so the
+//! demo can call [`run`] and print [`report::table`] too. Everything it makes (mount, its
+//! cache, the copy, the list file) lives in one new directory under the cache directory and
+//! goes with it, on success, on error and when interrupted; SOURCE is only read.
 
 pub mod chart;
 pub mod reader;
@@ -331,8 +331,7 @@ impl Bench<'_> {
                 .collect();
             copiers
                 .into_iter()
-                .map(|c| c.join().expect("copy thread"))
-                .collect::<Result<(), _>>()
+                .try_for_each(|c| c.join().expect("copy thread"))
         })?;
         bar.finish();
         Ok(())
@@ -358,6 +357,7 @@ impl Bench<'_> {
                 &self.config.loader,
                 &bar,
                 &self.config.cancel,
+                &reader::read_whole,
             )
             .map_err(|source| match source {
                 ReadError::Interrupted => BenchError::Interrupted,

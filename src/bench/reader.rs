@@ -49,33 +49,19 @@ pub enum ReadError {
     Interrupted,
 }
 
-/// Reads `root/paths[i]` for each sample i of `order`, as [`Loader`] describes; `progress`
-/// advances by each batch's files. Stops between batches once `cancel` is set.
-pub fn read_epoch(
-    root: &Path,
-    paths: &[PathBuf],
-    order: &[u32],
-    loader: &Loader,
-    progress: &ProgressBar,
-    cancel: &AtomicBool,
-) -> Result<EpochRead, ReadError> {
-    read_epoch_with(root, paths, order, loader, progress, cancel, &|_, path| {
-        read_whole(path)
-    })
-}
+/// How worker `w` reads one file: its size. [`read_whole`] reads it as a job would.
+pub type ReadFile<'a> = &'a (dyn Fn(usize, &Path) -> io::Result<u64> + Sync);
 
 /// Reads a file to its end (as a dataset's `__getitem__` does); its size.
-fn read_whole(path: &Path) -> io::Result<u64> {
+pub fn read_whole(_worker: usize, path: &Path) -> io::Result<u64> {
     let mut buf = Vec::new();
     File::open(path).and_then(|mut f| f.read_to_end(&mut buf))?;
     Ok(buf.len() as u64)
 }
 
-/// How worker `w` reads one file: its size.
-type ReadFile<'a> = &'a (dyn Fn(usize, &Path) -> io::Result<u64> + Sync);
-
-/// [`read_epoch`] with the file reads done by `read`.
-fn read_epoch_with(
+/// Reads `root/paths[i]` with `read` for each sample i of `order`, as [`Loader`] describes;
+/// `progress` advances by each batch's files. Stops between batches once `cancel` is set.
+pub fn read_epoch(
     root: &Path,
     paths: &[PathBuf],
     order: &[u32],
@@ -147,14 +133,14 @@ fn read_batch(
 #[cfg(test)]
 mod tests {
     use std::fs;
-    use std::path::PathBuf;
+    use std::path::{Path, PathBuf};
     use std::sync::Mutex;
     use std::sync::atomic::AtomicBool;
     use std::time::Duration;
 
     use indicatif::ProgressBar;
 
-    use super::{Loader, ReadError, read_epoch, read_epoch_with};
+    use super::{Loader, ReadError, read_epoch, read_whole};
 
     fn loader(workers: usize, batch_size: usize) -> Loader {
         Loader {
@@ -188,6 +174,7 @@ mod tests {
                 &loader(workers, batch),
                 &bar,
                 &AtomicBool::new(false),
+                &read_whole,
             )
             .unwrap();
             assert_eq!(got.files, 7, "{workers} workers, batch {batch}");
@@ -201,7 +188,7 @@ mod tests {
         let (dir, paths) = files(12);
         let order: Vec<u32> = (0..12).rev().collect();
         let reads = Mutex::new(Vec::new());
-        let got = read_epoch_with(
+        let got = read_epoch(
             dir.path(),
             &paths,
             &order,
@@ -232,19 +219,29 @@ mod tests {
         }
     }
 
+    /// Reads files 0..4 of `paths` (in `dir`) with two workers, one sample per batch.
+    fn read_four(dir: &Path, paths: &[PathBuf], cancelled: bool) -> Result<u64, ReadError> {
+        let cancel = AtomicBool::new(cancelled);
+        let bar = ProgressBar::hidden();
+        let order = [0, 1, 2, 3];
+        read_epoch(
+            dir,
+            paths,
+            &order,
+            &loader(2, 1),
+            &bar,
+            &cancel,
+            &read_whole,
+        )
+        .map(|r| r.bytes)
+    }
+
     #[test]
     fn a_missing_file_is_an_error_naming_it() {
         let (dir, mut paths) = files(4);
+        assert_eq!(read_four(dir.path(), &paths, false).unwrap(), 1 + 2 + 3 + 4);
         paths[2] = PathBuf::from("gone");
-        let err = read_epoch(
-            dir.path(),
-            &paths,
-            &[0, 1, 2, 3],
-            &loader(2, 1),
-            &ProgressBar::hidden(),
-            &AtomicBool::new(false),
-        )
-        .unwrap_err();
+        let err = read_four(dir.path(), &paths, false).unwrap_err();
         assert!(
             matches!(&err, ReadError::Io { path, .. } if path.ends_with("gone")),
             "{err}"
@@ -254,15 +251,7 @@ mod tests {
     #[test]
     fn a_cancelled_epoch_stops() {
         let (dir, paths) = files(4);
-        let err = read_epoch(
-            dir.path(),
-            &paths,
-            &[0, 1, 2, 3],
-            &loader(2, 1),
-            &ProgressBar::hidden(),
-            &AtomicBool::new(true),
-        )
-        .unwrap_err();
+        let err = read_four(dir.path(), &paths, true).unwrap_err();
         assert!(matches!(err, ReadError::Interrupted));
     }
 }

@@ -91,7 +91,8 @@ pub fn choose(
         .filter_map(|(u, &c)| c.then_some(u))
         .collect();
     let classes = (class_names.iter().zip(&chosen))
-        .filter_map(|(name, &c)| c.then(|| name.clone()))
+        .filter(|(_, c)| **c)
+        .map(|(name, _)| name.clone())
         .collect();
     let files: Vec<u32> = picked.iter().flat_map(|u| u.iter().copied()).collect();
     Ok(Subset {
