@@ -29,7 +29,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cache::filesystem_space;
-use crate::catalog::{Catalog, LayoutKind, ScanError};
+use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError};
 use crate::daemon::{self, MountConfig, MountError, RunningMount};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 use reader::{EpochRead, Loader, ReadError};
@@ -105,6 +105,8 @@ pub enum BenchError {
     #[error(transparent)]
     Scan(#[from] ScanError),
     #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error(transparent)]
     Subset(#[from] SubsetError),
     #[error(transparent)]
     Order(#[from] OrderError),
@@ -142,17 +144,28 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         config.size,
         config.subset_seed,
     )?;
+    let work = work_dir(config.cache.as_deref())?;
+    // The mount starts from this scan, checked fresh, instead of scanning SOURCE again; and
+    // a mount that did not scan has no index of its own to write into its cache later,
+    // which could race with removing that cache.
+    let index = config
+        .methods
+        .contains(&Method::Stagefs)
+        .then(|| work.path().join("source.index"));
+    if let Some(path) = &index {
+        catalog::index::save(&catalog, path)?;
+    }
     drop(catalog);
     let orders = (0..config.epochs)
         .map(|e| reader_sampler.node_order(subset.paths.len() as u64, e, &config.ranks))
         .collect::<Result<Vec<_>, _>>()?;
-    let work = work_dir(config.cache.as_deref())?;
     let bench = Bench {
         config,
         source,
         subset: &subset,
         orders: &orders,
         work: work.path(),
+        index,
         cold: ColdCache::default(),
     };
     let mut report = Report {
@@ -215,6 +228,8 @@ struct Bench<'a> {
     /// The loop's sample order, per epoch.
     orders: &'a [Vec<u32>],
     work: &'a Path,
+    /// SOURCE's catalog as scanned for the subset, for the mount.
+    index: Option<PathBuf>,
     cold: ColdCache,
 }
 
@@ -250,6 +265,7 @@ impl Bench<'_> {
             ranks: self.config.ranks.clone(),
             layout: LayoutKind::List,
             list_file: Some(list_file),
+            index: self.index.clone(),
             foreground: true,
             ..MountConfig::default()
         };

@@ -74,7 +74,8 @@ pub struct MethodRun {
     /// copy-first: the copy of the subset to local storage, before the first epoch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub copy_seconds: Option<f64>,
-    /// stagefs: mounting (scanning SOURCE), before the first epoch.
+    /// stagefs: mounting (checking the benchmark's scan of SOURCE against it), before the
+    /// first epoch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mount_seconds: Option<f64>,
     /// Why the method did not run (then `epochs` is empty).
@@ -166,11 +167,7 @@ pub fn table(report: &Report) -> String {
             let _ = writeln!(out, "{}: copy before epoch 0: {t:.2} s", method.name());
         }
         if let Some(t) = run.mount_seconds {
-            let _ = writeln!(
-                out,
-                "{}: mount (scan) before epoch 0: {t:.2} s",
-                method.name()
-            );
+            let _ = writeln!(out, "{}: mount before epoch 0: {t:.2} s", method.name());
         }
     }
     out.push_str(&ratios(report));
