@@ -123,6 +123,9 @@ pub enum BenchError {
     Interrupted,
 }
 
+/// How often the scan's spinner turns: often enough to look alive, cheap on a busy node.
+const SPINNER_TICK: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Share of the cache file system's size left free when deciding whether the copy fits:
 /// room for everything else the node writes there, as a mount's default cache size leaves.
 const COPY_MARGIN: f64 = 0.10;
@@ -137,7 +140,12 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         return Err(BenchError::SourceNotDirectory(config.source.clone()));
     }
     let reader_sampler = reader_sampler(&config.sampler)?;
-    let catalog = Catalog::scan(&source, MountConfig::default().scan_threads)?;
+    // A scan of a parallel file system can take minutes: show that something is happening.
+    let scanning = progress_bar(config.progress, None, "scanning SOURCE");
+    scanning.enable_steady_tick(SPINNER_TICK);
+    let catalog = Catalog::scan(&source, MountConfig::default().scan_threads);
+    scanning.finish_and_clear();
+    let catalog = catalog?;
     let subset = subset::choose(
         &catalog,
         &config.extensions,
@@ -317,7 +325,7 @@ impl Bench<'_> {
     fn copy_subset(&self, to: &Path) -> Result<(), BenchError> {
         let paths = &self.subset.paths;
         let bar = self.bar(self.subset.bytes, "copy-first: copy");
-        bar.set_style(style("{bytes}/{total_bytes}"));
+        bar.set_style(style("[{bar:30}] {bytes}/{total_bytes}"));
         let next = AtomicUsize::new(0);
         let threads = MountConfig::default().stage_threads.min(paths.len());
         std::thread::scope(|s| {
@@ -349,7 +357,7 @@ impl Bench<'_> {
                 .into_iter()
                 .try_for_each(|c| c.join().expect("copy thread"))
         })?;
-        bar.finish();
+        bar.finish_and_clear();
         Ok(())
     }
 
@@ -382,7 +390,7 @@ impl Bench<'_> {
                     source,
                 },
             })?;
-            bar.finish();
+            bar.finish_and_clear();
             let EpochRead {
                 seconds,
                 files,
@@ -408,23 +416,29 @@ impl Bench<'_> {
 
     /// A progress bar of `len` steps on stderr, or a hidden one.
     fn bar(&self, len: u64, label: &str) -> ProgressBar {
-        if !self.config.progress {
-            return ProgressBar::hidden();
-        }
-        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-        bar.set_style(style("{pos}/{len} files"));
-        bar.set_prefix(label.to_string());
-        bar
+        progress_bar(self.config.progress, Some(len), label)
     }
 }
 
-/// The bars' look: the label, the bar, `counts` and the time taken.
-fn style(counts: &str) -> ProgressStyle {
-    ProgressStyle::with_template(&format!(
-        "{{prefix:>22}} [{{bar:30}}] {counts} {{elapsed_precise}}"
-    ))
-    .expect("valid template")
-    .progress_chars("=> ")
+/// A bar of `len` steps (`None`: a spinner) on stderr, or a hidden one when `shown` is false.
+fn progress_bar(shown: bool, len: Option<u64>, label: &str) -> ProgressBar {
+    if !shown {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
+    bar.set_style(match len {
+        Some(_) => style("[{bar:30}] {pos}/{len} files"),
+        None => style("{spinner}"),
+    });
+    bar.set_prefix(label.to_string());
+    bar
+}
+
+/// The bars' look: the label, `middle` (the bar and counts, or a spinner) and the time taken.
+fn style(middle: &str) -> ProgressStyle {
+    ProgressStyle::with_template(&format!("{{prefix:>22}} {middle} {{elapsed_precise}}"))
+        .expect("valid template")
+        .progress_chars("=> ")
 }
 
 /// The in-process mount, unmounted when dropped (also on error and interruption).
