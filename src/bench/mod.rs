@@ -141,7 +141,7 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     }
     let reader_sampler = reader_sampler(&config.sampler)?;
     // A scan of a parallel file system can take minutes: show that something is happening.
-    let scanning = progress_bar(config.progress, None, "scanning SOURCE");
+    let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
     scanning.enable_steady_tick(SPINNER_TICK);
     let catalog = Catalog::scan(&source, MountConfig::default().scan_threads);
     scanning.finish_and_clear();
@@ -324,8 +324,12 @@ impl Bench<'_> {
     /// Copies the subset from SOURCE to `to`, as many files at once as a mount stages.
     fn copy_subset(&self, to: &Path) -> Result<(), BenchError> {
         let paths = &self.subset.paths;
-        let bar = self.bar(self.subset.bytes, "copy-first: copy");
-        bar.set_style(style("[{bar:30}] {bytes}/{total_bytes}"));
+        let bar = progress_bar(
+            self.config.progress,
+            Some(self.subset.bytes),
+            "copy-first copy",
+            BYTES_BAR,
+        );
         let next = AtomicUsize::new(0);
         let threads = MountConfig::default().stage_threads.min(paths.len());
         std::thread::scope(|s| {
@@ -373,7 +377,13 @@ impl Bench<'_> {
         for (e, order) in self.orders.iter().enumerate() {
             self.cold.drop_page_cache();
             let counted_before = mount.map(Mounted::hits_misses);
-            let bar = self.bar(order.len() as u64, &format!("{} epoch {e}", method.name()));
+            let label = format!("{} epoch {e}", method.name());
+            let bar = progress_bar(
+                self.config.progress,
+                Some(order.len() as u64),
+                &label,
+                FILES_BAR,
+            );
             let read = reader::read_epoch(
                 root,
                 &self.subset.paths,
@@ -413,30 +423,28 @@ impl Bench<'_> {
         }
         Ok(epochs)
     }
-
-    /// A progress bar of `len` steps on stderr, or a hidden one.
-    fn bar(&self, len: u64, label: &str) -> ProgressBar {
-        progress_bar(self.config.progress, Some(len), label)
-    }
 }
 
+/// The bars' middle parts: counting files, counting bytes, or a spinner (no length).
+const FILES_BAR: &str = "[{bar:24}] {pos}/{len} files";
+const BYTES_BAR: &str = "[{bar:24}] {bytes}/{total_bytes}";
+const SPINNER: &str = "{spinner}";
+
 /// A bar of `len` steps (`None`: a spinner) on stderr, or a hidden one when `shown` is false.
-fn progress_bar(shown: bool, len: Option<u64>, label: &str) -> ProgressBar {
+fn progress_bar(shown: bool, len: Option<u64>, label: &str, middle: &str) -> ProgressBar {
     if !shown {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
-    bar.set_style(match len {
-        Some(_) => style("[{bar:30}] {pos}/{len} files"),
-        None => style("{spinner}"),
-    });
+    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::hidden());
+    bar.set_style(style(middle));
     bar.set_prefix(label.to_string());
+    bar.set_draw_target(ProgressDrawTarget::stderr());
     bar
 }
 
 /// The bars' look: the label, `middle` (the bar and counts, or a spinner) and the time taken.
 fn style(middle: &str) -> ProgressStyle {
-    ProgressStyle::with_template(&format!("{{prefix:>22}} {middle} {{elapsed_precise}}"))
+    ProgressStyle::with_template(&format!("{{prefix:>18}} {middle} {{elapsed_precise}}"))
         .expect("valid template")
         .progress_chars("=> ")
 }
