@@ -68,18 +68,21 @@ fn setup() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     (work, source, tmp, cache)
 }
 
+/// The mount points under `dir`, from /proc/self/mountinfo.
+fn mounts_under(dir: &Path) -> Vec<String> {
+    let dir = fs::canonicalize(dir).unwrap();
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| Path::new(p).starts_with(&dir))
+        .map(str::to_string)
+        .collect()
+}
+
 /// Nothing of the run is mounted anywhere under `work`.
 fn assert_nothing_mounted(work: &Path) {
-    let work = fs::canonicalize(work).unwrap();
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let ours: Vec<&str> = mountinfo
-        .lines()
-        .filter(|l| {
-            l.split(' ')
-                .nth(4)
-                .is_some_and(|p| Path::new(p).starts_with(&work))
-        })
-        .collect();
+    let ours = mounts_under(work);
     assert!(ours.is_empty(), "left mounted: {ours:?}");
 }
 
@@ -267,4 +270,34 @@ fn bad_input_gets_one_line() {
         assert!(out.stdout.is_empty(), "{args:?}");
     }
     assert!(empty(&cache) && empty(&tmp));
+}
+
+#[test]
+fn interrupted_while_mounted_it_still_removes_everything() {
+    require_fuse();
+    let (work, source, tmp, _cache) = setup();
+    let before = listing(&source);
+    // Slow enough (a second of compute per batch of 32) to be caught mid-epoch.
+    let child = Command::new(bin())
+        .args(["bench", source.to_str().unwrap(), "--compute-ms", "1000"])
+        .args(["--methods", "stagefs", "--epochs", "2"])
+        .env("TMPDIR", &tmp)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(std::time::Duration::from_secs(60), || !mounts_under(&tmp)
+            .is_empty()),
+        "the mount never appeared"
+    );
+    // SAFETY: signalling the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("stagefs: interrupted"), "{stderr}");
+    assert_nothing_mounted(work.path());
+    assert!(empty(&tmp), "left behind: {:?}", walk_files(&tmp));
+    assert_eq!(listing(&source), before);
 }
