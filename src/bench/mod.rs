@@ -406,6 +406,7 @@ impl Bench<'_> {
                 files,
                 bytes,
                 stall_seconds,
+                read_seconds,
             } = read;
             let counted = mount.map(Mounted::hits_misses);
             let (hits, misses) = match (counted_before, counted) {
@@ -417,6 +418,7 @@ impl Bench<'_> {
                 files,
                 bytes,
                 stall_seconds,
+                read_seconds,
                 hits,
                 misses,
             });

@@ -4,8 +4,10 @@
 //! batches in order, optionally "computes" on each, and waits when the next one is not ready.
 //!
 //! What it measures is what a job sees: the epoch's wall time, and the stall, the time the
-//! training loop waited for data. The same loop reads SOURCE, the mount and a local copy, so
-//! the methods differ only in where the files are.
+//! training loop waited for data (what a GPU would idle; the workers' own time in reads,
+//! which prefetching hides while it is shorter than the compute, is counted beside it). The
+//! same loop reads SOURCE, the mount and a local copy, so the methods differ only in where
+//! the files are.
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -39,6 +41,8 @@ pub struct EpochRead {
     pub bytes: u64,
     /// Time the training loop waited for its next batch.
     pub stall_seconds: f64,
+    /// Time a worker spent in reads, on average over the workers.
+    pub read_seconds: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,17 +77,19 @@ pub fn read_epoch(
     let batches: Vec<&[u32]> = order.chunks(loader.batch_size.max(1)).collect();
     let workers = loader.workers.max(1);
     let started = Instant::now();
-    let mut stall = Duration::ZERO;
+    let (mut stall, mut reading) = (Duration::ZERO, Duration::ZERO);
     let mut bytes = 0;
     std::thread::scope(|s| {
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers)
-            .map(|_| mpsc::sync_channel::<Result<u64, ReadError>>(PREFETCH_FACTOR))
+            .map(|_| mpsc::sync_channel::<Result<(u64, Duration), ReadError>>(PREFETCH_FACTOR))
             .unzip();
         for (w, tx) in senders.into_iter().enumerate() {
             let batches = &batches;
             s.spawn(move || {
                 for batch in batches.iter().skip(w).step_by(workers) {
-                    let got = read_batch(root, paths, batch, |path| read(w, path));
+                    let started = Instant::now();
+                    let got = read_batch(root, paths, batch, |path| read(w, path))
+                        .map(|bytes| (bytes, started.elapsed()));
                     let failed = got.is_err();
                     // The training loop hung up (an error elsewhere, or cancelled): stop.
                     if tx.send(got).is_err() || failed {
@@ -101,7 +107,9 @@ pub fn read_epoch(
                 .recv()
                 .expect("a worker sends every batch it is given, or an error it stops at");
             stall += waiting.elapsed();
-            bytes += got?;
+            let (batch_bytes, batch_reading) = got?;
+            bytes += batch_bytes;
+            reading += batch_reading;
             std::thread::sleep(loader.compute);
             progress.inc(batch.len() as u64);
         }
@@ -112,6 +120,7 @@ pub fn read_epoch(
         files: order.len() as u64,
         bytes,
         stall_seconds: stall.as_secs_f64(),
+        read_seconds: reading.as_secs_f64() / workers as f64,
     })
 }
 

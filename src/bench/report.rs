@@ -103,6 +103,8 @@ pub struct Epoch {
     pub bytes: u64,
     /// Time the training loop waited for data.
     pub stall_seconds: f64,
+    /// Time a reader worker spent in reads (on average over the workers).
+    pub read_seconds: f64,
     /// stagefs: opens served from the cache, and opens that waited for a copy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hits: Option<u64>,
@@ -130,8 +132,8 @@ pub fn table(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>5}  {:<10} {:>9} {:>9} {:>9} {:>13} {:>9}",
-        "epoch", "method", "seconds", "files/s", "MB/s", "hits", "stall s"
+        "{:>5}  {:<10} {:>8} {:>8} {:>7} {:>11} {:>7} {:>7}",
+        "epoch", "method", "seconds", "files/s", "MB/s", "hits", "stall s", "read s"
     );
     let epochs = report
         .methods
@@ -150,12 +152,13 @@ pub fn table(report: &Report) -> String {
             };
             let _ = writeln!(
                 out,
-                "{epoch:>5}  {:<10} {:>9.2} {:>9.0} {:>9.1} {hits:>13} {:>9.2}",
+                "{epoch:>5}  {:<10} {:>8.2} {:>8.0} {:>7.1} {hits:>11} {:>7.2} {:>7.2}",
                 method.name(),
                 e.seconds,
                 per_second(e.files as f64, e.seconds),
                 per_second(e.bytes as f64 / MB, e.seconds),
-                e.stall_seconds
+                e.stall_seconds,
+                e.read_seconds
             );
         }
     }
@@ -223,6 +226,7 @@ mod tests {
             files: 200,
             bytes: 2_000_000,
             stall_seconds: seconds / 2.0,
+            read_seconds: seconds / 4.0,
             hits,
             misses: hits.map(|h| 200 - h),
         }
@@ -262,7 +266,7 @@ mod tests {
         assert_eq!(methods.len(), 3);
         let direct = &methods["direct"]["epochs"];
         assert_eq!(direct.as_array().unwrap().len(), 2);
-        for key in ["seconds", "files", "bytes", "stall_seconds"] {
+        for key in ["seconds", "files", "bytes", "stall_seconds", "read_seconds"] {
             assert!(direct[0][key].is_number(), "{key}");
         }
         assert!(direct[0].get("hits").is_none());
