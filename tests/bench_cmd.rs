@@ -207,6 +207,8 @@ fn files_picks_the_same_whole_classes_and_only_our_directory_goes() {
 #[test]
 fn bad_input_gets_one_line() {
     let (work, source, tmp, cache) = setup();
+    let before = listing(&source);
+    let inside = source.join("class000").to_str().unwrap().to_string();
     let source = source.to_str().unwrap();
     let missing = work.path().join("nowhere");
     let missing = missing.to_str().unwrap();
@@ -244,6 +246,12 @@ fn bad_input_gets_one_line() {
             "another name",
         ),
         (
+            &[source, "--cache", &inside],
+            1,
+            "stagefs: --cache",
+            "inside SOURCE",
+        ),
+        (
             &[source, "--cache", missing],
             1,
             "stagefs: --cache",
@@ -270,6 +278,7 @@ fn bad_input_gets_one_line() {
         assert!(out.stdout.is_empty(), "{args:?}");
     }
     assert!(empty(&cache) && empty(&tmp));
+    assert_eq!(listing(Path::new(source)), before);
 }
 
 #[test]

@@ -98,6 +98,8 @@ pub enum BenchError {
     SourceNotDirectory(PathBuf),
     #[error("--cache {}: {source}: give an existing directory the benchmark may write in", path.display())]
     Cache { path: PathBuf, source: io::Error },
+    #[error("--cache {} is inside SOURCE, which the benchmark only reads: give a directory on node-local storage", .0.display())]
+    CacheInSource(PathBuf),
     #[error(
         "--sampler feed cannot be benchmarked: the benchmark's reader announces nothing; name the sampler (e.g. --sampler torch-distributed --seed 0)"
     )]
@@ -152,7 +154,7 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         config.size,
         config.subset_seed,
     )?;
-    let work = work_dir(config.cache.as_deref())?;
+    let work = work_dir(config.cache.as_deref(), &source)?;
     // The mount starts from this scan, checked fresh, instead of scanning SOURCE again; and
     // a mount that did not scan has no index of its own to write into its cache later,
     // which could race with removing that cache.
@@ -215,9 +217,12 @@ fn reader_sampler(mount: &SamplerConfig) -> Result<SamplerConfig, BenchError> {
 }
 
 /// A new private directory for everything the benchmark writes, under `cache` or the
-/// system's temporary directory.
-fn work_dir(cache: Option<&Path>) -> Result<tempfile::TempDir, BenchError> {
+/// system's temporary directory; never inside `source` (canonical), which is only read.
+fn work_dir(cache: Option<&Path>, source: &Path) -> Result<tempfile::TempDir, BenchError> {
     let parent = cache.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    if fs::canonicalize(&parent).is_ok_and(|p| p.starts_with(source)) {
+        return Err(BenchError::CacheInSource(parent));
+    }
     tempfile::Builder::new()
         .prefix("stagefs-bench.")
         .tempdir_in(&parent)
