@@ -5,20 +5,22 @@
 //! (samplers, and the search for the one a job uses: `--sampler auto`) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
 //! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`control`] takes the running
 //! job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
-//! runs it, [`cli`] parses the command line into it,
+//! runs it, [`bench`] measures a mount against reading SOURCE directly and against copying
+//! first, [`cli`] parses the command line into it,
 //! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share,
 //! [`files`] the safe whole-file reads and atomic writes, [`input`] the user's text files;
 //! [`slow_remote`] simulates the shared file system SOURCE lives on (for the demo and tests).
 //!
 //! Imports go one way too, down these layers (bottom first; a module uses only those below it,
 //! which `tests/layering.rs` checks): `sys`, `files`, `input`, `slow_remote` (leaves) < `stats` < `catalog` <
-//! `order` < `plan` < `cache` < `stager` < `fs` < `control` < `daemon` < `cli`.
+//! `order` < `plan` < `cache` < `stager` < `fs` < `control` < `daemon` < `bench` < `cli`.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod bench;
 pub mod cache;
 pub mod catalog;
 pub mod cli;

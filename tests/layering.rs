@@ -15,6 +15,7 @@
 //! - `control`: the running mount's control channel (the feed hook's announcements, `stagefs
 //!   epoch`), checked against the `catalog` and handed to the `stager`.
 //! - `daemon`: the mounted process around `fs` and `control`.
+//! - `bench`: a benchmark that mounts through `daemon` and reads as a job would.
 //! - `cli`: the commands, wiring everything.
 //!
 //! The check reads the sources: every `crate::X` (in code or an intra-doc link) inside module M
@@ -37,6 +38,7 @@ const LAYERS: &[&str] = &[
     "fs",
     "control",
     "daemon",
+    "bench",
     "cli",
 ];
 

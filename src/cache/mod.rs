@@ -287,19 +287,25 @@ impl CacheDir {
 
     /// Bytes the cache's file system can still take, and its total size.
     pub fn filesystem_space(&self) -> io::Result<(u64, u64)> {
-        let c = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
-            .map_err(io::Error::other)?;
-        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid C string and out pointer.
-        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok((
-            st.f_bavail as u64 * st.f_frsize as u64,
-            st.f_blocks as u64 * st.f_frsize as u64,
-        ))
+        filesystem_space(&self.root)
     }
+}
+
+/// Bytes the file system holding `path` can still take (for an unprivileged user), and its
+/// total size.
+pub fn filesystem_space(path: &Path) -> io::Result<(u64, u64)> {
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((
+        st.f_bavail as u64 * st.f_frsize as u64,
+        st.f_blocks as u64 * st.f_frsize as u64,
+    ))
 }
 
 /// Where a mount keeps its catalog index inside the cache directory `root`.

@@ -2,6 +2,7 @@
 //! the engine (a mount's into [`crate::daemon::MountConfig`]), and the subcommands' entry
 //! points. Errors reach [`run`] as `anyhow` chains and leave as one line on stderr.
 
+mod bench_cmd;
 mod demo;
 mod epoch_cmd;
 mod feed_env;
@@ -56,6 +57,9 @@ pub enum Command {
     FeedEnv(feed_env::FeedEnvArgs),
     /// Run the whole thing on a built-in synthetic dataset and report what happened
     Demo(demo::DemoArgs),
+    /// Measure epochs on your dataset: read directly, through a stagefs mount, and after a
+    /// local copy, and compare
+    Bench(Box<bench_cmd::BenchArgs>),
 }
 
 /// How the job's sampler orders sample indices. Options left out take the loaders' defaults;
@@ -67,7 +71,7 @@ pub enum Command {
 pub struct SamplerArgs {
     /// Sampler the job uses (`auto`: found from the job's first opens; `feed`: the job
     /// announces its order, see `stagefs feed-env`) [default: auto for mount, torch-distributed
-    /// for order]
+    /// for order and bench]
     #[arg(long, value_enum, value_name = "NAME")]
     pub sampler: Option<SamplerKind>,
     /// Seed the job passes (DistributedSampler seed, torch.manual_seed / Generator seed, np.random.seed) [default: 0]
@@ -252,7 +256,10 @@ impl ValueEnum for LayoutKind {
 
 pub fn run() -> i32 {
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Mount(_) | Command::Demo(_)) {
+    if !matches!(
+        cli.command,
+        Command::Mount(_) | Command::Demo(_) | Command::Bench(_)
+    ) {
         // Rust ignores SIGPIPE, which makes a print to a closed pipe panic. A command whose
         // reader went away (`stagefs stats --watch | head -1`) should just end, as `cat`
         // does. Not for the commands that hold a mount: they must live to unmount it.
@@ -268,6 +275,7 @@ pub fn run() -> i32 {
         Command::Epoch(args) => epoch_cmd::run(args),
         Command::FeedEnv(args) => feed_env::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench_cmd::run(*args),
     };
     match result {
         Ok(()) => 0,

@@ -273,8 +273,8 @@ fn wait_for_exit(mount: &RunningMount) {
     }
 }
 
-/// Blocks the termination signals in this thread (and every thread started after it), so
-/// [`wait_for_exit`] can take them synchronously.
+/// Blocks the termination signals in this thread (and every thread started after it), so one
+/// thread can take them synchronously ([`wait_for_exit`]; `stagefs bench`'s cancel).
 pub fn block_termination_signals() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data, for which all zeroes is a valid value.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };

@@ -1,0 +1,530 @@
+//! `stagefs bench`: how much stagefs helps on the user's own dataset, measured, before they
+//! change a job. The same seeded DataLoader-like read loop ([`reader`]) reads a reproducible
+//! subset of SOURCE ([`subset`]) three ways in one run: directly from SOURCE, through a
+//! stagefs mount of it that predicts the loop's order, and from a local copy made first (the
+//! copy timed too). [`report`] turns the epochs into a table, ratios and JSON; [`chart`]
+//! draws them.
+//!
+//! The mount is of the whole SOURCE with the list layout (line i of a list file = sample i =
+//! `subset.paths[i]`), so sample i is the same file for all three methods and the mount
+//! predicts exactly what the loop reads. It runs in this process, like the demo's.
+//!
+//! It sits above [`crate::daemon`] (it mounts) and below the command line (`cli`), so the
+//! demo can call [`run`] and print [`report::table`] too. Everything it makes (mount, its
+//! cache, the copy, the list file) lives in one new directory under the cache directory and
+//! goes with it, on success, on error and when interrupted; SOURCE is only read.
+
+pub mod chart;
+pub mod reader;
+pub mod report;
+pub mod subset;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cache::filesystem_space;
+use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError};
+use crate::daemon::{self, MountConfig, MountError, RunningMount};
+use crate::order::{OrderError, SamplerConfig, SamplerKind};
+use reader::{EpochRead, Loader, ReadError};
+use report::{Epoch, MethodRun, Report, SubsetSummary};
+use subset::{Subset, SubsetError, SubsetSize};
+
+/// The ways of reading the subset that a benchmark compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// From SOURCE itself.
+    Direct,
+    /// Through a stagefs mount of SOURCE.
+    Stagefs,
+    /// From a copy made to the cache's file system before the first epoch.
+    CopyFirst,
+}
+
+impl Method {
+    /// In the order they run: copy-first last, once the mount's cache is gone, so both never
+    /// need the cache file system's room at the same time.
+    pub const ALL: [Method; 3] = [Method::Direct, Method::Stagefs, Method::CopyFirst];
+
+    /// The name on the command line (`--methods`) and in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Direct => "direct",
+            Method::Stagefs => "stagefs",
+            Method::CopyFirst => "copy-first",
+        }
+    }
+}
+
+/// One benchmark, fully described.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// The dataset directory (only read).
+    pub source: PathBuf,
+    /// Where the mount's cache and the copy go, in a new directory removed afterwards;
+    /// `None` is the system's temporary directory.
+    pub cache: Option<PathBuf>,
+    pub size: SubsetSize,
+    /// Shuffles the class list the subset is taken from.
+    pub subset_seed: i128,
+    /// File endings an ImageFolder counts as samples, with their dot.
+    pub extensions: Vec<String>,
+    pub epochs: u64,
+    pub loader: Loader,
+    /// What the mount is told. The loop reads in this order too; for `auto` and `none`,
+    /// which name no order, it reads as DistributedSampler with this config's seed and ranks.
+    pub sampler: SamplerConfig,
+    /// The ranks the loop reads for (their orders merged, as one node's mount serves them).
+    pub ranks: Vec<u32>,
+    /// Which methods run (in [`Method::ALL`]'s order whatever the order here).
+    pub methods: Vec<Method>,
+    /// Progress bars on stderr (drawn only when it is a terminal).
+    pub progress: bool,
+    /// Set from outside (a signal) to stop between batches and clean up.
+    pub cancel: Arc<AtomicBool>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("SOURCE {}: {source}", path.display())]
+    Source { path: PathBuf, source: io::Error },
+    #[error("SOURCE {} is not a directory: give the dataset's directory", .0.display())]
+    SourceNotDirectory(PathBuf),
+    #[error("--cache {}: {source}: give an existing directory the benchmark may write in", path.display())]
+    Cache { path: PathBuf, source: io::Error },
+    #[error("--cache {} is inside SOURCE, which the benchmark only reads: give a directory on node-local storage", .0.display())]
+    CacheInSource(PathBuf),
+    #[error(
+        "--sampler feed cannot be benchmarked: the benchmark's reader announces nothing; name the sampler (e.g. --sampler torch-distributed --seed 0)"
+    )]
+    Feed,
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error(transparent)]
+    Subset(#[from] SubsetError),
+    #[error(transparent)]
+    Order(#[from] OrderError),
+    #[error("stagefs mount: {0}")]
+    Mount(#[from] MountError),
+    #[error("{method}: {source}")]
+    Read {
+        method: &'static str,
+        source: ReadError,
+    },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+    #[error("interrupted (the mount and the benchmark's files are removed)")]
+    Interrupted,
+}
+
+/// How often the scan's spinner turns: often enough to look alive, cheap on a busy node.
+const SPINNER_TICK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Share of the cache file system's size left free when deciding whether the copy fits:
+/// room for everything else the node writes there, as a mount's default cache size leaves.
+const COPY_MARGIN: f64 = 0.10;
+
+/// Runs the selected methods over the subset `config` asks for.
+pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
+    let source = fs::canonicalize(&config.source).map_err(|source| BenchError::Source {
+        path: config.source.clone(),
+        source,
+    })?;
+    if !source.is_dir() {
+        return Err(BenchError::SourceNotDirectory(config.source.clone()));
+    }
+    let reader_sampler = reader_sampler(&config.sampler)?;
+    // A scan of a parallel file system can take minutes: show that something is happening.
+    let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
+    scanning.enable_steady_tick(SPINNER_TICK);
+    let catalog = Catalog::scan(&source, MountConfig::default().scan_threads);
+    scanning.finish_and_clear();
+    let catalog = catalog?;
+    let subset = subset::choose(
+        &catalog,
+        &config.extensions,
+        config.size,
+        config.subset_seed,
+    )?;
+    let work = work_dir(config.cache.as_deref(), &source)?;
+    // The mount starts from this scan, checked fresh, instead of scanning SOURCE again; and
+    // a mount that did not scan has no index of its own to write into its cache later,
+    // which could race with removing that cache.
+    let index = config
+        .methods
+        .contains(&Method::Stagefs)
+        .then(|| work.path().join("source.index"));
+    if let Some(path) = &index {
+        catalog::index::save(&catalog, path)?;
+    }
+    drop(catalog);
+    let orders = (0..config.epochs)
+        .map(|e| reader_sampler.node_order(subset.paths.len() as u64, e, &config.ranks))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bench = Bench {
+        config,
+        source,
+        subset: &subset,
+        orders: &orders,
+        work: work.path(),
+        index,
+        cold: ColdCache::default(),
+    };
+    let mut report = Report {
+        subset: SubsetSummary {
+            files: subset.paths.len() as u64,
+            bytes: subset.bytes,
+            classes: subset.classes.clone(),
+            classes_in_source: subset.classes_in_source,
+        },
+        ..Report::default()
+    };
+    for method in Method::ALL {
+        if config.methods.contains(&method) {
+            let run = match method {
+                Method::Direct => bench.direct(),
+                Method::Stagefs => bench.stagefs(),
+                Method::CopyFirst => bench.copy_first(),
+            }?;
+            *report.methods.slot(method) = Some(run);
+        }
+    }
+    report.notes.extend(bench.cold.note());
+    let path = work.path().to_path_buf();
+    work.close()
+        .map_err(|source| BenchError::Io { path, source })?;
+    Ok(report)
+}
+
+/// The order the loop reads in: the mount's sampler, or DistributedSampler where the mount's
+/// names none.
+fn reader_sampler(mount: &SamplerConfig) -> Result<SamplerConfig, BenchError> {
+    let mut reader = mount.clone();
+    match mount.kind {
+        SamplerKind::Feed => return Err(BenchError::Feed),
+        SamplerKind::Auto | SamplerKind::None => reader.kind = SamplerKind::TorchDistributed,
+        _ => {}
+    }
+    Ok(reader)
+}
+
+/// A new private directory for everything the benchmark writes, under `cache` or the
+/// system's temporary directory; never inside `source` (canonical), which is only read.
+fn work_dir(cache: Option<&Path>, source: &Path) -> Result<tempfile::TempDir, BenchError> {
+    let parent = cache.map_or_else(std::env::temp_dir, Path::to_path_buf);
+    if fs::canonicalize(&parent).is_ok_and(|p| p.starts_with(source)) {
+        return Err(BenchError::CacheInSource(parent));
+    }
+    tempfile::Builder::new()
+        .prefix("stagefs-bench.")
+        .tempdir_in(&parent)
+        .map_err(|source| BenchError::Cache {
+            path: parent,
+            source,
+        })
+}
+
+/// One run's shared state.
+struct Bench<'a> {
+    config: &'a BenchConfig,
+    /// SOURCE, canonical.
+    source: PathBuf,
+    subset: &'a Subset,
+    /// The loop's sample order, per epoch.
+    orders: &'a [Vec<u32>],
+    work: &'a Path,
+    /// SOURCE's catalog as scanned for the subset, for the mount.
+    index: Option<PathBuf>,
+    cold: ColdCache,
+}
+
+impl Bench<'_> {
+    fn direct(&self) -> Result<MethodRun, BenchError> {
+        Ok(MethodRun {
+            epochs: self.epochs(Method::Direct, &self.source, None)?,
+            ..MethodRun::default()
+        })
+    }
+
+    fn stagefs(&self) -> Result<MethodRun, BenchError> {
+        let list_file = self.work.join("subset.list");
+        let mountpoint = self.work.join("mnt");
+        let mut list = Vec::new();
+        for path in &self.subset.paths {
+            list.extend_from_slice(path.as_os_str().as_encoded_bytes());
+            list.push(b'\n');
+        }
+        fs::write(&list_file, list).map_err(|source| BenchError::Io {
+            path: list_file.clone(),
+            source,
+        })?;
+        fs::create_dir(&mountpoint).map_err(|source| BenchError::Io {
+            path: mountpoint.clone(),
+            source,
+        })?;
+        let mount_config = MountConfig {
+            source: self.source.clone(),
+            mountpoint: mountpoint.clone(),
+            cache: self.work.join("stagefs-cache"),
+            sampler: self.config.sampler.clone(),
+            ranks: self.config.ranks.clone(),
+            layout: LayoutKind::List,
+            list_file: Some(list_file),
+            index: self.index.clone(),
+            foreground: true,
+            ..MountConfig::default()
+        };
+        // Dropped before mounting, not between the mount and epoch 0: the stager starts
+        // copying at once, and the seconds a sync can take would be a head start no job gets.
+        self.cold.drop_page_cache();
+        let started = Instant::now();
+        let mount = Mounted(Some(daemon::start(&mount_config)?));
+        let mount_seconds = started.elapsed().as_secs_f64();
+        let epochs = self.epochs(Method::Stagefs, &mountpoint, Some(&mount))?;
+        drop(mount);
+        // The copy that may follow needs the room.
+        remove_dir(&mount_config.cache)?;
+        Ok(MethodRun {
+            mount_seconds: Some(mount_seconds),
+            epochs,
+            ..MethodRun::default()
+        })
+    }
+
+    fn copy_first(&self) -> Result<MethodRun, BenchError> {
+        let (free, size) = filesystem_space(self.work).map_err(|source| BenchError::Io {
+            path: self.work.to_path_buf(),
+            source,
+        })?;
+        let margin = (size as f64 * COPY_MARGIN) as u64;
+        if self.subset.bytes.saturating_add(margin) > free {
+            return Ok(MethodRun {
+                skipped: Some(format!(
+                    "the cache's file system has {} MB free, the subset needs {} MB plus {} MB kept free",
+                    free / 1_000_000,
+                    self.subset.bytes.div_ceil(1_000_000),
+                    margin / 1_000_000
+                )),
+                ..MethodRun::default()
+            });
+        }
+        let copy = self.work.join("copy");
+        let started = Instant::now();
+        self.copy_subset(&copy)?;
+        let copy_seconds = started.elapsed().as_secs_f64();
+        let epochs = self.epochs(Method::CopyFirst, &copy, None)?;
+        remove_dir(&copy)?;
+        Ok(MethodRun {
+            copy_seconds: Some(copy_seconds),
+            epochs,
+            ..MethodRun::default()
+        })
+    }
+
+    /// Copies the subset from SOURCE to `to`, as many files at once as a mount stages.
+    fn copy_subset(&self, to: &Path) -> Result<(), BenchError> {
+        let paths = &self.subset.paths;
+        let bar = progress_bar(
+            self.config.progress,
+            Some(self.subset.bytes),
+            "copy-first copy",
+            BYTES_BAR,
+        );
+        let next = AtomicUsize::new(0);
+        let threads = MountConfig::default().stage_threads.min(paths.len());
+        std::thread::scope(|s| {
+            let copiers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| -> Result<(), BenchError> {
+                        loop {
+                            if self.config.cancel.load(Ordering::Relaxed) {
+                                return Err(BenchError::Interrupted);
+                            }
+                            let Some(rel) = paths.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                                return Ok(());
+                            };
+                            let target = to.join(rel);
+                            let io = |path: &Path| {
+                                let path = path.to_path_buf();
+                                move |source| BenchError::Io { path, source }
+                            };
+                            if let Some(dir) = target.parent() {
+                                fs::create_dir_all(dir).map_err(io(dir))?;
+                            }
+                            let from = self.source.join(rel);
+                            bar.inc(fs::copy(&from, &target).map_err(io(&from))?);
+                        }
+                    })
+                })
+                .collect();
+            copiers
+                .into_iter()
+                .try_for_each(|c| c.join().expect("copy thread"))
+        })?;
+        bar.finish_and_clear();
+        Ok(())
+    }
+
+    /// Reads every epoch of `method` from `root`, the page cache dropped before each (for a
+    /// mount, from epoch 1 on: before epoch 0 it was dropped before mounting); with `mount`,
+    /// the hits and misses it counted during each.
+    fn epochs(
+        &self,
+        method: Method,
+        root: &Path,
+        mount: Option<&Mounted>,
+    ) -> Result<Vec<Epoch>, BenchError> {
+        let mut epochs = Vec::new();
+        for (e, order) in self.orders.iter().enumerate() {
+            if e > 0 || mount.is_none() {
+                self.cold.drop_page_cache();
+            }
+            let counted_before = mount.map(Mounted::hits_misses);
+            let label = format!("{} epoch {e}", method.name());
+            let bar = progress_bar(
+                self.config.progress,
+                Some(order.len() as u64),
+                &label,
+                FILES_BAR,
+            );
+            let read = reader::read_epoch(
+                root,
+                &self.subset.paths,
+                order,
+                &self.config.loader,
+                &bar,
+                &self.config.cancel,
+                &reader::read_whole,
+            )
+            .map_err(|source| match source {
+                ReadError::Interrupted => BenchError::Interrupted,
+                source => BenchError::Read {
+                    method: method.name(),
+                    source,
+                },
+            })?;
+            bar.finish_and_clear();
+            let EpochRead {
+                seconds,
+                files,
+                bytes,
+                stall_seconds,
+                read_seconds,
+            } = read;
+            let counted = mount.map(Mounted::hits_misses);
+            let (hits, misses) = match (counted_before, counted) {
+                (Some(before), Some(after)) => (Some(after.0 - before.0), Some(after.1 - before.1)),
+                _ => (None, None),
+            };
+            epochs.push(Epoch {
+                seconds,
+                files,
+                bytes,
+                stall_seconds,
+                read_seconds,
+                hits,
+                misses,
+            });
+        }
+        Ok(epochs)
+    }
+}
+
+/// The bars' middle parts: counting files, counting bytes, or a spinner (no length).
+const FILES_BAR: &str = "[{bar:24}] {pos}/{len} files";
+const BYTES_BAR: &str = "[{bar:24}] {bytes}/{total_bytes}";
+const SPINNER: &str = "{spinner}";
+
+/// A bar of `len` steps (`None`: a spinner) on stderr, or a hidden one when `shown` is false.
+fn progress_bar(shown: bool, len: Option<u64>, label: &str, middle: &str) -> ProgressBar {
+    if !shown {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::hidden());
+    bar.set_style(style(middle));
+    bar.set_prefix(label.to_string());
+    bar.set_draw_target(ProgressDrawTarget::stderr());
+    bar
+}
+
+/// The bars' look: the label, `middle` (the bar and counts, or a spinner) and the time taken.
+fn style(middle: &str) -> ProgressStyle {
+    ProgressStyle::with_template(&format!("{{prefix:>18}} {middle} {{elapsed_precise}}"))
+        .expect("valid template")
+        .progress_chars("=> ")
+}
+
+/// The in-process mount, unmounted when dropped (also on error and interruption).
+struct Mounted(Option<RunningMount>);
+
+impl Mounted {
+    /// The mount's hit and miss counters so far.
+    fn hits_misses(&self) -> (u64, u64) {
+        let running = self.0.as_ref().expect("mounted until dropped");
+        let s = running
+            .data
+            .snapshot(running.passthrough.load(Ordering::Relaxed));
+        (s.hits, s.misses)
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Some(running) = self.0.take() {
+            running.stop();
+        }
+    }
+}
+
+fn remove_dir(path: &Path) -> Result<(), BenchError> {
+    fs::remove_dir_all(path).map_err(|source| BenchError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Makes each epoch start from storage, not memory: the kernel's page cache is dropped
+/// before it, which needs root. Remembers why it could not, to say so once.
+#[derive(Default)]
+struct ColdCache {
+    problem: std::sync::OnceLock<String>,
+}
+
+/// Where the kernel takes "drop clean caches" requests; 3 = page cache, dentries and inodes.
+const DROP_CACHES: &str = "/proc/sys/vm/drop_caches";
+
+impl ColdCache {
+    fn drop_page_cache(&self) {
+        if self.problem.get().is_some() {
+            return;
+        }
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            let _ = self.problem.set(
+                "the page cache was not dropped before each epoch (that needs root): epochs read files still in memory"
+                    .into(),
+            );
+            return;
+        }
+        // Dirty pages are not dropped: write them out first.
+        // SAFETY: no preconditions.
+        unsafe { libc::sync() };
+        if let Err(e) = fs::write(DROP_CACHES, "3") {
+            let _ = self.problem.set(format!(
+                "the page cache was not dropped before each epoch ({DROP_CACHES}: {e}): epochs read files still in memory"
+            ));
+        }
+    }
+
+    fn note(&self) -> Option<String> {
+        self.problem.get().cloned()
+    }
+}
