@@ -84,6 +84,9 @@ pub struct BenchConfig {
     pub ranks: Vec<u32>,
     /// Which methods run (in [`Method::ALL`]'s order whatever the order here).
     pub methods: Vec<Method>,
+    /// Drop the kernel's page cache before each epoch (needs root), so every epoch reads from
+    /// storage; off, epochs after the first may read files still in memory.
+    pub cold_epochs: bool,
     /// Progress bars on stderr (drawn only when it is a terminal).
     pub progress: bool,
     /// Set from outside (a signal) to stop between batches and clean up.
@@ -176,7 +179,7 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         orders: &orders,
         work: work.path(),
         index,
-        cold: ColdCache::default(),
+        cold: ColdCache::new(config.cold_epochs),
     };
     let mut report = Report {
         subset: SubsetSummary {
@@ -493,8 +496,8 @@ fn remove_dir(path: &Path) -> Result<(), BenchError> {
 
 /// Makes each epoch start from storage, not memory: the kernel's page cache is dropped
 /// before it, which needs root. Remembers why it could not, to say so once.
-#[derive(Default)]
 struct ColdCache {
+    enabled: bool,
     problem: std::sync::OnceLock<String>,
 }
 
@@ -502,8 +505,15 @@ struct ColdCache {
 const DROP_CACHES: &str = "/proc/sys/vm/drop_caches";
 
 impl ColdCache {
+    fn new(enabled: bool) -> Self {
+        ColdCache {
+            enabled,
+            problem: std::sync::OnceLock::new(),
+        }
+    }
+
     fn drop_page_cache(&self) {
-        if self.problem.get().is_some() {
+        if !self.enabled || self.problem.get().is_some() {
             return;
         }
         // SAFETY: no preconditions.

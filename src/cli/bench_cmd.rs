@@ -61,6 +61,10 @@ pub struct BenchArgs {
         value_name = "LIST"
     )]
     pub methods: Vec<Method>,
+    /// Keep the page cache between epochs. By default, when run as root, it is dropped before
+    /// each epoch so every epoch reads from storage, as a dataset larger than memory would
+    #[arg(long)]
+    pub warm: bool,
     /// Write the results as JSON to FILE, and the chart of epoch times beside it as FILE with `.svg`
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -125,6 +129,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         sampler,
         ranks,
         methods: args.methods.clone(),
+        cold_epochs: !args.warm,
         progress: true,
         cancel: cancel_on_signal(),
     };

@@ -2,21 +2,22 @@
 //!
 //! Creates a small ImageFolder-shaped dataset and serves it as a slow "remote" (through
 //! [`SlowRemote`], which delays every open the way a parallel file system's metadata server
-//! does), reads one epoch from it directly, then mounts stagefs on it with a torch-distributed
-//! prediction and reads a few epochs through the mount, the way a DataLoader would (batches,
-//! two workers, a little compute per batch); prints both, what the cache did each epoch, and
-//! unmounts.
+//! does), then runs `stagefs bench` on it with two of its methods: the same DataLoader-like
+//! loop (batches, two workers, a little compute per batch) reading the remote directly, and
+//! reading it through a stagefs mount told the loop's sampler. It prints the bench's table,
+//! so the first command a user runs shows the gain, and removes everything.
 
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 
-use super::stats_cmd;
-use crate::catalog::{Catalog, Layout, LayoutKind};
+use crate::bench::reader::Loader;
+use crate::bench::subset::SubsetSize;
+use crate::bench::{self, BenchConfig, Method, report};
 use crate::daemon::{self, MountConfig};
 use crate::order::{SamplerConfig, SamplerKind};
 use crate::slow_remote::{Latency, SlowRemote};
@@ -89,13 +90,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         .workdir
         .clone()
         .unwrap_or_else(|| temp.as_ref().expect("temp dir").path().to_path_buf());
-    let (data, remote, mnt, cache) = (
-        work.join("data"),
-        work.join("remote"),
-        work.join("mnt"),
-        work.join("cache"),
-    );
-    for d in [&data, &remote, &mnt] {
+    let (data, remote) = (work.join("data"), work.join("remote"));
+    for d in [&data, &remote] {
         fs::create_dir_all(d).with_context(|| d.display().to_string())?;
     }
     println!(
@@ -118,33 +114,43 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         remote.display(),
         latency.metadata.as_millis()
     );
-
-    let extensions = MountConfig::default().extensions;
-    let direct = read_direct(&remote, &extensions, &args)?;
-    let config = MountConfig {
-        source: remote,
-        mountpoint: mnt.clone(),
-        cache,
-        sampler: reader_sampler(),
-        extensions,
-        foreground: true,
-        ..MountConfig::default()
-    };
-    let running = daemon::start(&config)?;
     println!(
-        "mounted stagefs at {} on the remote (it predicts DistributedSampler seed {SEED}, world size 1)",
-        mnt.display()
+        "reading {} epochs the way DataLoader(ImageFolder(remote), sampler=DistributedSampler(seed={SEED}), \
+         batch_size={BATCH}, num_workers={WORKERS}) does, with {} ms of compute per batch: \
+         directly, then through a stagefs mount of the remote told that sampler",
+        args.epochs, args.compute_ms
     );
-
-    let outcome = read_epochs(&mnt, &config.extensions, &args, &direct);
-    println!();
-    if let Ok(s) = stats_cmd::read_snapshot(&mnt) {
-        print!("{}", stats_cmd::table(&s));
-    }
-    running.stop();
+    let config = BenchConfig {
+        source: remote,
+        cache: Some(work.clone()),
+        size: SubsetSize::All,
+        subset_seed: 0,
+        extensions: MountConfig::default().extensions,
+        epochs: args.epochs,
+        loader: Loader {
+            workers: WORKERS,
+            batch_size: BATCH,
+            compute: Duration::from_millis(args.compute_ms),
+        },
+        sampler: reader_sampler(),
+        ranks: vec![0],
+        methods: vec![Method::Direct, Method::Stagefs],
+        // The remote's cost is its per-open latency, which no page cache hides; dropping the
+        // whole machine's page cache is not a demo's business.
+        cold_epochs: false,
+        progress: true,
+        cancel: Arc::default(),
+    };
+    let outcome = bench::run(&config);
     drop(slow);
+    let report = outcome?;
+    println!();
+    for note in &report.notes {
+        println!("note: {note}");
+    }
+    print!("{}", report::table(&report));
     println!("unmounted");
-    outcome
+    Ok(())
 }
 
 /// What the demo's reader uses, and so what the mount predicts.
@@ -152,129 +158,4 @@ fn reader_sampler() -> SamplerConfig {
     let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
     sampler.seed = SEED;
     sampler
-}
-
-/// The samples of `dir` in the order `ImageFolder(dir)` numbers them, listing `dir` itself as
-/// torchvision would.
-fn image_folder_samples(dir: &Path, extensions: &[String]) -> anyhow::Result<Vec<PathBuf>> {
-    let catalog = Catalog::scan(dir, 4)?;
-    let layout = Layout::build(&catalog, LayoutKind::ImageFolder, extensions, None)?;
-    (0..layout.len() as u32)
-        .map(|i| {
-            let file = layout
-                .file_of(i)
-                .context("a demo sample the mount cannot serve")?;
-            Ok(catalog.source_path(file))
-        })
-        .collect()
-}
-
-/// One epoch as the job reads it: wall time, and the time its workers spent waiting for files.
-struct EpochRead {
-    seconds: f64,
-    waiting: f64,
-    bytes: u64,
-}
-
-/// Reads `order` like a `DataLoader` with [`WORKERS`] workers and batches of [`BATCH`],
-/// computing `args.compute_ms` after each batch.
-fn read_epoch(paths: &[PathBuf], order: &[u32], args: &DemoArgs) -> anyhow::Result<EpochRead> {
-    let started = Instant::now();
-    let batches: Vec<&[u32]> = order.chunks(BATCH).collect();
-    let compute = Duration::from_millis(args.compute_ms);
-    let workers = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..WORKERS)
-            .map(|w| {
-                let batches = &batches;
-                s.spawn(move || -> anyhow::Result<(Duration, u64)> {
-                    let (mut waited, mut bytes) = (Duration::ZERO, 0);
-                    let mut buf = Vec::new();
-                    for batch in batches.iter().skip(w).step_by(WORKERS) {
-                        let t = Instant::now();
-                        for &i in batch.iter() {
-                            buf.clear();
-                            let p = &paths[i as usize];
-                            fs::File::open(p)
-                                .and_then(|mut f| f.read_to_end(&mut buf))
-                                .with_context(|| p.display().to_string())?;
-                            bytes += buf.len() as u64;
-                        }
-                        waited += t.elapsed();
-                        std::thread::sleep(compute);
-                    }
-                    Ok((waited, bytes))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("reader thread"))
-            .collect::<Result<Vec<_>, _>>()
-    })?;
-    Ok(EpochRead {
-        seconds: started.elapsed().as_secs_f64(),
-        waiting: workers.iter().map(|(w, _)| w.as_secs_f64()).sum::<f64>() / WORKERS as f64,
-        bytes: workers.iter().map(|(_, b)| b).sum(),
-    })
-}
-
-/// Reads epoch 0 straight from the slow remote: what the job does without stagefs.
-fn read_direct(remote: &Path, extensions: &[String], args: &DemoArgs) -> anyhow::Result<EpochRead> {
-    let paths = image_folder_samples(remote, extensions)?;
-    let order = reader_sampler().epoch_order(paths.len() as u64, 0, 0)?;
-    println!("reading epoch 0 directly from the remote (the job without stagefs)...");
-    read_epoch(&paths, &order, args)
-}
-
-/// Reads the mount like `DataLoader(ImageFolder(mnt), sampler=DistributedSampler(seed=0))`,
-/// one row per epoch below the direct read's.
-fn read_epochs(
-    mnt: &Path,
-    extensions: &[String],
-    args: &DemoArgs,
-    direct: &EpochRead,
-) -> anyhow::Result<()> {
-    let paths = image_folder_samples(mnt, extensions)?;
-    let sampler = reader_sampler();
-    println!(
-        "\n{:>5} {:>8} {:>9} {:>10} {:>9} {:>9} {:>12}",
-        "epoch", "read", "seconds", "reading s", "hits", "misses", "from source"
-    );
-    println!(
-        "{:>5} {:>8} {:>9.2} {:>10.3} {:>9} {:>9} {:>9.1} MB",
-        0,
-        "direct",
-        direct.seconds,
-        direct.waiting,
-        "-",
-        "-",
-        direct.bytes as f64 / 1e6
-    );
-    let mut through_stagefs = Vec::new();
-    for epoch in 0..args.epochs {
-        let before = stats_cmd::read_snapshot(mnt)?;
-        let order = sampler.epoch_order(paths.len() as u64, epoch, 0)?;
-        let read = read_epoch(&paths, &order, args)?;
-        let after = stats_cmd::read_snapshot(mnt)?;
-        println!(
-            "{:>5} {:>8} {:>9.2} {:>10.3} {:>9} {:>9} {:>9.1} MB",
-            epoch,
-            "stagefs",
-            read.seconds,
-            read.waiting,
-            after.hits - before.hits,
-            after.misses - before.misses,
-            (after.source_bytes - before.source_bytes) as f64 / 1e6
-        );
-        through_stagefs.push(read.seconds);
-    }
-    if let Some(first) = through_stagefs.first() {
-        let mean = through_stagefs.iter().sum::<f64>() / through_stagefs.len() as f64;
-        println!(
-            "an epoch read directly took {:.1}x as long as epoch 0 through stagefs ({:.1}x its mean epoch)",
-            direct.seconds / first,
-            direct.seconds / mean
-        );
-    }
-    Ok(())
 }
