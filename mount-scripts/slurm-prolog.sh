@@ -45,11 +45,14 @@
 #   OPTIONS=                          `stagefs mount` options for every job (patterns expanded)
 #   STAGEFS=                          the stagefs binary (default: installed one, else PATH)
 #   ON_FAILURE=continue               or drain (below)
+#   LOG=syslog                        where messages go besides stderr: syslog, a file, or empty
 #
 # Failure. When a Prolog fails, Slurm drains the node and holds the job. A job's typo (a wrong
 # source path) should not take a node out of service, so by default (ON_FAILURE=continue) the
-# prolog reports the error on stderr (slurmd's log), mounts nothing and lets the job start; the
-# job should check `mountpoint -q "$MOUNT"`. ON_FAILURE=drain makes the prolog fail instead.
+# prolog reports the error, mounts nothing and lets the job start; the job should check
+# `mountpoint -q "$MOUNT"`. ON_FAILURE=drain makes the prolog fail instead. slurmd puts a
+# Prolog's output in its log only when the Prolog fails, so every message also goes to LOG
+# (syslog by default; a file such as /var/log/stagefs-slurm.log is easier to find).
 #
 # stagefs runs as the job's user (setpriv), so the dataset is read with the user's rights
 # (root squash on Lustre/NFS would deny root anyway) and the mount is the user's own; the
@@ -58,7 +61,8 @@
 #
 # Tested (tests/deploy.rs) under a faked Slurm environment on one machine (two "nodes" with
 # distinct %n paths), for a root job; the switch to another user is tested only as far as
-# stagefs being denied a root-only source. Not tested under a real slurmd.
+# stagefs being denied a root-only source. Tested under a real slurmctld/slurmd 22.05 on one
+# node (tests/slurm.rs, tests/e2e/slurm.sh): root jobs, one node.
 set -uo pipefail
 
 # shellcheck source-path=SCRIPTDIR
@@ -238,12 +242,15 @@ write_state || fail "cannot write $state"
 state_written=1
 
 set -f # the options are words, not globs
+# stagefs's own message (why it refused) goes where the prolog's messages go (see LOG). The
+# detached daemon's output is /dev/null, so this returns when `stagefs mount` does.
 # shellcheck disable=SC2086 # OPTIONS are split into words on purpose
-if ! as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
+if ! said=$(as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
   --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
-  $site_options $job_options; then
-  fail "stagefs mount $req_SOURCE failed"
+  $site_options $job_options 2>&1 >/dev/null); then
+  fail "stagefs mount $req_SOURCE failed: ${said:-no message}"
 fi
 set +f
+[ -z "$said" ] || warn "job $SLURM_JOB_ID: $said"
 
 warn "job $SLURM_JOB_ID: mounted $req_SOURCE at $mnt (node $node: ranks $ranks of $world)"
