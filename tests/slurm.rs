@@ -8,8 +8,8 @@
 //! `stagefs.env` in the job's working directory. Each job records the mount's statistics as
 //! its first command, waits until the mount has staged the dataset (a cache that holds it
 //! all: the reads' hits then do not depend on timing), reads it through two ranks of a real
-//! PyTorch `DistributedSampler` DataLoader started by `srun`, reads it directly too, and
-//! records the statistics again.
+//! PyTorch `DistributedSampler` DataLoader started by `srun` (stepping together through a gloo
+//! process group, as DDP ranks do), reads it directly too, and records the statistics again.
 //!
 //! Slurm's ports are per host, so the binary has one test, in phases, on one cluster, which
 //! a guard stops even when an assertion fails. Needs root, FUSE, slurm-wlm, munge, and
@@ -31,9 +31,10 @@ use tempfile::TempDir;
 const DEADLINE: Duration = Duration::from_secs(300);
 /// Debian's interpreter: torch and torchvision come from apt, not from a PATH python.
 const PYTHON: &str = "/usr/bin/python3";
-/// The dataset: small enough for two torch start-ups per job to dominate, large enough for
-/// several batches per rank.
-const FILES: u32 = 240;
+/// The dataset: small enough to read in a few seconds, large enough that the ranks' prefetch
+/// (a few batches of 8 ahead of the step they wait in) stays well inside the window where an
+/// open still counts as predicted (a quarter of the node's epoch).
+const FILES: u32 = 1000;
 /// Ranks per node, as the job's request says (STAGEFS_GPUS_PER_NODE); srun starts as many.
 const RANKS: u32 = 2;
 const EPOCHS: u32 = 2;
@@ -120,11 +121,16 @@ impl Cluster {
         }
     }
 
-    /// Waits until job `id` has left the queue: its epilog has finished.
+    /// Waits until job `id` has ended and its epilog has finished (a job is COMPLETING until
+    /// then, and stays listed, COMPLETED or CANCELLED, for a while after).
     fn wait_gone(&self, id: &str) {
-        self.wait_for(&format!("job {id} to leave the queue"), || {
-            self.output_of("squeue", &["--noheader", "--jobs", id, "--states=all"])
-                .is_empty()
+        const ENDED: [&str; 4] = ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"];
+        self.wait_for(&format!("job {id} to end"), || {
+            let state = self.output_of(
+                "squeue",
+                &["--noheader", "--jobs", id, "--states=all", "--format=%T"],
+            );
+            ENDED.contains(&state.as_str())
         });
     }
 
@@ -196,14 +202,16 @@ for _ in $(seq 600); do
   {stagefs} stats --json "$MNT" | grep -q '"cached_files": {FILES},' && break
   sleep 0.1
 done
+# read_all ROOT NAME PORT: the ranks step together through a process group on PORT.
 read_all() {{
   srun --ntasks={RANKS} --output="$2.%t.out" bash -c \
     'exec {python} {train} "$0" --world-size {RANKS} --rank "$SLURM_PROCID" --seed {seed} \
-       --epochs {EPOCHS} --batch-size 8 --workers 1' "$1"
+       --epochs {EPOCHS} --batch-size 8 --workers 1 --sync-url "tcp://127.0.0.1:$1"' "$1" "$3"
 }}
-read_all "$MNT" mount || exit 4
+port=$((20000 + 2 * (SLURM_JOB_ID % 10000)))
+read_all "$MNT" mount "$port" || exit 4
 {stagefs} stats --json "$MNT" > stats-last.json
-read_all {source} direct || exit 5
+read_all {source} direct $((port + 1)) || exit 5
 "#,
             mnt_root = cluster.dir().join("mnt").display(),
             stagefs = bin().display(),
