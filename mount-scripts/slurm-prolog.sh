@@ -29,9 +29,11 @@
 # --node_rank $SLURM_NODEID gives (static rendezvous; the c10d rendezvous hands out node ranks
 # in arrival order, which nothing can predict).
 #   i: SLURM_NODEID. The slurmd Prolog does not get it; then i is this node's (SLURMD_NODENAME)
-#      position in the job's node list (SLURM_JOB_NODELIST, else `scontrol show job`),
-#      expanded by `scontrol show hostnames`.
-#   N: SLURM_JOB_NUM_NODES, else SLURM_NNODES.
+#      position in the job's node list (SLURM_JOB_NODELIST in the job's environment,
+#      SLURM_NODELIST in slurmd's Prolog), expanded by `scontrol show hostnames` (which asks
+#      slurmctld nothing: Slurm advises prologs against commands that do, run by every node
+#      of every job at once).
+#   N: SLURM_JOB_NUM_NODES (in the job's environment and in slurmd's Prolog).
 #   G: STAGEFS_GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else the count of SLURM_JOB_GPUS,
 #      else GPUS_PER_NODE from the configuration.
 #
@@ -95,10 +97,7 @@ node_index() {
     printf '%s\n' "$SLURM_NODEID"
     return 0
   fi
-  local me=${SLURMD_NODENAME:-$(hostname -s)} list=${SLURM_JOB_NODELIST:-} i=0 host
-  if [ -z "$list" ]; then
-    list=$(scontrol show job -o "$SLURM_JOB_ID" | tr ' ' '\n' | sed -n 's/^NodeList=//p') || return 1
-  fi
+  local me=${SLURMD_NODENAME:-$(hostname -s)} list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}} i=0 host
   [ -n "$list" ] || return 1
   while IFS= read -r host; do
     if [ "$host" = "$me" ]; then
@@ -183,8 +182,8 @@ if [ -z "$req_SOURCE" ]; then
   exit 0 # not a stagefs job
 fi
 
-node=$(node_index) || fail "cannot tell this node's index in the job (no SLURM_NODEID, and $(hostname -s) is not in its node list)"
-nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
+node=$(node_index) || fail "cannot tell this node's index in the job (no SLURM_NODEID, and ${SLURMD_NODENAME:-$(hostname -s)} is not in its node list '${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}')"
+nodes=${SLURM_JOB_NUM_NODES:-}
 gpus=$(gpus_per_node)
 is_count "$nodes" || fail "node count '${nodes}' (SLURM_JOB_NUM_NODES) is not a positive number"
 is_count "$gpus" || fail "GPUs per node '${gpus}' is not a positive number (set STAGEFS_GPUS_PER_NODE or GPUS_PER_NODE)"

@@ -150,8 +150,9 @@ node_idle() {
 
 start() {
   local state
-  command -v slurmctld >/dev/null && command -v munged >/dev/null ||
+  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     die "slurmctld or munged not found (apt-get install slurm-wlm munge)"
+  fi
   mkdir -p "$1"
   state=$(cd "$1" && pwd)
   if [ -s "$CURRENT" ] && [ "$(cat "$CURRENT")" != "$state" ] && running "$(cat "$CURRENT")/slurmctld.pid"; then
@@ -175,13 +176,21 @@ start() {
     die "node $node is not idle: $(sinfo --noheader --nodes="$node" --format='%T %E' 2>&1) (see $state/log/)"
 }
 
+exited() {
+  ! kill -0 "$1" 2>/dev/null
+}
+
+queue_empty() {
+  [ -z "$(squeue --noheader --partition=stagefs 2>/dev/null)" ]
+}
+
 # Sends TERM to the daemon in pid file $1 and waits until it has exited.
 stop_daemon() {
   running "$1" || return 0
   local pid
   pid=$(cat "$1")
   kill "$pid" 2>/dev/null || true
-  poll eval "! kill -0 $pid" || kill -KILL "$pid" 2>/dev/null || true
+  poll exited "$pid" || kill -KILL "$pid" 2>/dev/null || true
   rm -f -- "$1"
 }
 
@@ -198,7 +207,7 @@ stop() {
   if running "$state/slurmctld.pid" && running "$state/slurmd.pid"; then
     # Cancelled jobs still get their epilogs, which unmount what the prologs mounted.
     scancel --partition=stagefs 2>/dev/null || true
-    poll eval '[ -z "$(squeue --noheader --partition=stagefs 2>/dev/null)" ]' || failed=1
+    poll queue_empty || failed=1
   fi
   stop_daemon "$state/slurmd.pid"
   stop_daemon "$state/slurmctld.pid"
