@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestMount, bin, getfattr, image_folder, is_mounted, stagefs, stats_at};
+use common::{TestMount, alive, bin, getfattr, image_folder, is_mounted, stagefs, stats_at, text};
 use tempfile::TempDir;
 
 /// Longest any single step may take before the test gives up (a hang guard, not a timing check).
@@ -30,10 +30,6 @@ fn scripts_dir() -> PathBuf {
 
 fn script(name: &str) -> PathBuf {
     scripts_dir().join(name)
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// Undoes what a test set up, in reverse order, even when the test panics.
@@ -144,17 +140,6 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     while !cond() {
         assert!(start.elapsed() < DEADLINE, "gave up waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// True while process `pid` exists and is not a zombie.
-fn alive(pid: i32) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| !rest.trim_start().starts_with('Z')),
-        Err(_) => false,
     }
 }
 

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{bin, image_folder, is_mounted, require_fuse};
+use common::{alive, bin, e2e_dir, image_folder, is_mounted, require_fuse, text};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -38,14 +38,6 @@ const FILES: u32 = 1000;
 /// Ranks per node, as the job's request says (STAGEFS_GPUS_PER_NODE); srun starts as many.
 const RANKS: u32 = 2;
 const EPOCHS: u32 = 2;
-
-fn e2e_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
 
 /// The one-node cluster; stopped (jobs cancelled, daemons stopped, mounts removed) on drop.
 struct Cluster {
@@ -235,7 +227,12 @@ read_all {source} direct $((port + 1)) || exit 5
             .arg(self.dir.join("job.sh"))
             .output()
             .unwrap();
-        let id = text(&out.stdout).trim().split(';').next().unwrap().to_string();
+        let id = text(&out.stdout)
+            .trim()
+            .split(';')
+            .next()
+            .unwrap()
+            .to_string();
         assert!(
             !id.is_empty(),
             "sbatch gave no job id: {}",
@@ -251,10 +248,7 @@ read_all {source} direct $((port + 1)) || exit 5
     fn stats(&self, name: &str) -> Value {
         let raw = self.read(name);
         serde_json::from_str(&raw).unwrap_or_else(|e| {
-            panic!(
-                "{name}: {e}: {raw:?}; job output: {}",
-                self.read("job.out")
-            )
+            panic!("{name}: {e}: {raw:?}; job output: {}", self.read("job.out"))
         })
     }
 
@@ -270,15 +264,6 @@ read_all {source} direct $((port + 1)) || exit 5
             })
             .collect()
     }
-}
-
-/// Process `pid` exists and is not a zombie.
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit(')')
-            .next()
-            .is_some_and(|rest| !rest.trim_start().starts_with('Z'))
-    })
 }
 
 /// A job that asked for a mount: it was there with the node's ranks before the first step,
@@ -301,13 +286,25 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
         RANKS - 1
     );
     assert_eq!(first["prediction"], want.as_str(), "{first}");
-    assert_eq!(first["hits"].as_u64(), Some(0), "read before the job: {first}");
-    assert_eq!(first["epoch_len"].as_u64(), Some(u64::from(FILES)), "{first}");
+    assert_eq!(
+        first["hits"].as_u64(),
+        Some(0),
+        "read before the job: {first}"
+    );
+    assert_eq!(
+        first["epoch_len"].as_u64(),
+        Some(u64::from(FILES)),
+        "{first}"
+    );
 
     let last = job.stats("stats-last.json");
     let opens = u64::from(FILES * EPOCHS);
     assert_eq!(
-        (last["hits"].as_u64(), last["misses"].as_u64(), last["mispredictions"].as_u64()),
+        (
+            last["hits"].as_u64(),
+            last["misses"].as_u64(),
+            last["mispredictions"].as_u64()
+        ),
         (Some(opens), Some(0), Some(0)),
         "every read a predicted hit: {last}"
     );
@@ -323,12 +320,20 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
 
     cluster.wait_gone(&id);
     let mnt = cluster.mnt(&id);
-    assert!(!is_mounted(&mnt), "job {id}: still mounted after the epilog");
-    assert!(!mnt.exists(), "job {id}: the mountpoint the prolog made is left");
+    assert!(
+        !is_mounted(&mnt),
+        "job {id}: still mounted after the epilog"
+    );
+    assert!(
+        !mnt.exists(),
+        "job {id}: the mountpoint the prolog made is left"
+    );
     assert!(!cluster.cache(&id).exists(), "job {id}: the cache is left");
     let pid: i32 = job.read("daemon.pid").trim().parse().unwrap();
     assert!(!alive(pid), "job {id}: daemon {pid} outlived the epilog");
-    let states = fs::read_dir(cluster.dir().join("prolog-state")).unwrap().count();
+    let states = fs::read_dir(cluster.dir().join("prolog-state"))
+        .unwrap()
+        .count();
     assert_eq!(states, 0, "job {id}: the prolog's state file is left");
     assert!(
         cluster
@@ -355,14 +360,21 @@ fn slurm_prolog_and_epilog_under_a_real_slurmd() {
     let missing = cluster.dir().join("no-such-dataset");
     let bad = Job::new(&cluster, "bad", &missing, 0);
     let (id, out) = bad.sbatch(&cluster, true);
-    assert_eq!(out.status.code(), Some(3), "job output: {}", bad.read("job.out"));
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "job output: {}",
+        bad.read("job.out")
+    );
     assert!(bad.read("job.out").contains("no stagefs mount"));
     cluster.wait_gone(&id);
     assert_eq!(cluster.node_state(), "IDLE");
     let log = cluster.log("stagefs-slurm.log");
     assert!(
-        log.contains(&format!("job {id}: stagefs mount {} failed", missing.display()))
-            && log.contains("no dataset mounted"),
+        log.contains(&format!(
+            "job {id}: stagefs mount {} failed",
+            missing.display()
+        )) && log.contains("no dataset mounted"),
         "{log}"
     );
     assert!(!cluster.mnt(&id).exists() && !cluster.cache(&id).exists());
@@ -374,7 +386,9 @@ fn slurm_prolog_and_epilog_under_a_real_slurmd() {
     cluster.configure("ON_FAILURE=drain\n");
     let drained = Job::new(&cluster, "drained", &missing, 0);
     let (id, _) = drained.sbatch(&cluster, false);
-    cluster.wait_for("the node to drain", || cluster.node_state().contains("DRAIN"));
+    cluster.wait_for("the node to drain", || {
+        cluster.node_state().contains("DRAIN")
+    });
     let reason = cluster.output_of("sinfo", &["--noheader", "--format=%E"]);
     assert_eq!(reason, "Prolog error");
     assert!(
@@ -387,7 +401,11 @@ fn slurm_prolog_and_epilog_under_a_real_slurmd() {
     assert!(!cluster.mnt(&id).exists() && !cluster.cache(&id).exists());
     cluster.output_of(
         "scontrol",
-        &["update", &format!("nodename={}", cluster.node()), "state=resume"],
+        &[
+            "update",
+            &format!("nodename={}", cluster.node()),
+            "state=resume",
+        ],
     );
     cluster.wait_for("the node to be resumed", || cluster.node_state() == "IDLE");
 }
