@@ -274,10 +274,10 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
     let (id, out) = job.sbatch(cluster, true);
     assert!(
         out.status.success(),
-        "job {name} ({id}) failed: {}\njob output: {}\nslurmd log: {}",
+        "job {name} ({id}) failed: {}\njob output: {}\nthe prolog's log: {}",
         text(&out.stderr),
         job.read("job.out"),
-        cluster.log("slurmd.log")
+        cluster.log("stagefs-slurm.log")
     );
 
     let first = job.stats("stats-first.json");
