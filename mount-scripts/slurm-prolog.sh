@@ -63,8 +63,8 @@
 #
 # Tested (tests/deploy.rs) under a faked Slurm environment on one machine (two "nodes" with
 # distinct %n paths), for a root job; the switch to another user is tested only as far as
-# stagefs being denied a root-only source. Tested under a real slurmctld/slurmd 22.05 on one
-# node (tests/slurm.rs, tests/e2e/slurm.sh): root jobs, one node.
+# stagefs being denied a root-only source. Tested under a real slurmctld and two slurmd 22.05
+# on one host (tests/slurm.rs, tests/e2e/slurm.sh), for root jobs.
 set -uo pipefail
 
 # shellcheck source-path=SCRIPTDIR
