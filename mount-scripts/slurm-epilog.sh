@@ -11,7 +11,8 @@
 # The unmount runs as the mount's owner (root cannot even stat another user's FUSE mount) and
 # waits for the stagefs daemon to exit; a mount still busy after STAGEFS_UNMOUNT_TRIES tries
 # (default 10, a second apart) is detached lazily. Exit status 1 (Slurm then drains the node)
-# only if a mount could not be removed at all.
+# only if a mount could not be removed at all. Messages go to stderr and to the configuration's
+# LOG, as the prolog's do.
 set -uo pipefail
 
 # shellcheck source-path=SCRIPTDIR

@@ -29,9 +29,11 @@
 # --node_rank $SLURM_NODEID gives (static rendezvous; the c10d rendezvous hands out node ranks
 # in arrival order, which nothing can predict).
 #   i: SLURM_NODEID. The slurmd Prolog does not get it; then i is this node's (SLURMD_NODENAME)
-#      position in the job's node list (SLURM_JOB_NODELIST, else `scontrol show job`),
-#      expanded by `scontrol show hostnames`.
-#   N: SLURM_JOB_NUM_NODES, else SLURM_NNODES.
+#      position in the job's node list (SLURM_JOB_NODELIST in the job's environment,
+#      SLURM_NODELIST in slurmd's Prolog), expanded by `scontrol show hostnames` (which asks
+#      slurmctld nothing: Slurm advises prologs against commands that do, run by every node
+#      of every job at once).
+#   N: SLURM_JOB_NUM_NODES (in the job's environment and in slurmd's Prolog).
 #   G: STAGEFS_GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else the count of SLURM_JOB_GPUS,
 #      else GPUS_PER_NODE from the configuration.
 #
@@ -45,11 +47,14 @@
 #   OPTIONS=                          `stagefs mount` options for every job (patterns expanded)
 #   STAGEFS=                          the stagefs binary (default: installed one, else PATH)
 #   ON_FAILURE=continue               or drain (below)
+#   LOG=syslog                        where messages go besides stderr: syslog, a file, or empty
 #
 # Failure. When a Prolog fails, Slurm drains the node and holds the job. A job's typo (a wrong
 # source path) should not take a node out of service, so by default (ON_FAILURE=continue) the
-# prolog reports the error on stderr (slurmd's log), mounts nothing and lets the job start; the
-# job should check `mountpoint -q "$MOUNT"`. ON_FAILURE=drain makes the prolog fail instead.
+# prolog reports the error, mounts nothing and lets the job start; the job should check
+# `mountpoint -q "$MOUNT"`. ON_FAILURE=drain makes the prolog fail instead. slurmd puts a
+# Prolog's output in its log only when the Prolog fails, so every message also goes to LOG
+# (syslog by default; a file such as /var/log/stagefs-slurm.log is easier to find).
 #
 # stagefs runs as the job's user (setpriv), so the dataset is read with the user's rights
 # (root squash on Lustre/NFS would deny root anyway) and the mount is the user's own; the
@@ -58,7 +63,8 @@
 #
 # Tested (tests/deploy.rs) under a faked Slurm environment on one machine (two "nodes" with
 # distinct %n paths), for a root job; the switch to another user is tested only as far as
-# stagefs being denied a root-only source. Not tested under a real slurmd.
+# stagefs being denied a root-only source. Tested under a real slurmctld and two slurmd 22.05
+# on one host (tests/slurm.rs, tests/e2e/slurm.sh), for root jobs.
 set -uo pipefail
 
 # shellcheck source-path=SCRIPTDIR
@@ -91,10 +97,7 @@ node_index() {
     printf '%s\n' "$SLURM_NODEID"
     return 0
   fi
-  local me=${SLURMD_NODENAME:-$(hostname -s)} list=${SLURM_JOB_NODELIST:-} i=0 host
-  if [ -z "$list" ]; then
-    list=$(scontrol show job -o "$SLURM_JOB_ID" | tr ' ' '\n' | sed -n 's/^NodeList=//p') || return 1
-  fi
+  local me=${SLURMD_NODENAME:-$(hostname -s)} list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}} i=0 host
   [ -n "$list" ] || return 1
   while IFS= read -r host; do
     if [ "$host" = "$me" ]; then
@@ -179,8 +182,8 @@ if [ -z "$req_SOURCE" ]; then
   exit 0 # not a stagefs job
 fi
 
-node=$(node_index) || fail "cannot tell this node's index in the job (no SLURM_NODEID, and $(hostname -s) is not in its node list)"
-nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
+node=$(node_index) || fail "cannot tell this node's index in the job (no SLURM_NODEID, and ${SLURMD_NODENAME:-$(hostname -s)} is not in its node list '${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}')"
+nodes=${SLURM_JOB_NUM_NODES:-}
 gpus=$(gpus_per_node)
 is_count "$nodes" || fail "node count '${nodes}' (SLURM_JOB_NUM_NODES) is not a positive number"
 is_count "$gpus" || fail "GPUs per node '${gpus}' is not a positive number (set STAGEFS_GPUS_PER_NODE or GPUS_PER_NODE)"
@@ -238,12 +241,15 @@ write_state || fail "cannot write $state"
 state_written=1
 
 set -f # the options are words, not globs
+# stagefs's own message (why it refused) goes where the prolog's messages go (see LOG). The
+# detached daemon's output is /dev/null, so this returns when `stagefs mount` does.
 # shellcheck disable=SC2086 # OPTIONS are split into words on purpose
-if ! as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
+if ! said=$(as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
   --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
-  $site_options $job_options; then
-  fail "stagefs mount $req_SOURCE failed"
+  $site_options $job_options 2>&1 >/dev/null); then
+  fail "stagefs mount $req_SOURCE failed: ${said:-no message}"
 fi
 set +f
+[ -z "$said" ] || warn "job $SLURM_JOB_ID: $said"
 
 warn "job $SLURM_JOB_ID: mounted $req_SOURCE at $mnt (node $node: ranks $ranks of $world)"

@@ -19,6 +19,9 @@ STAGEFS_PROG=${STAGEFS_PROG:-$(basename "$0")}
 
 warn() {
   printf '%s: %s\n' "$STAGEFS_PROG" "$*" >&2
+  if [ -n "${conf_LOG:-}" ]; then
+    log_site "$*"
+  fi
 }
 
 # Prints the stagefs binary to use: $STAGEFS, else PREFIX/bin/stagefs of an installed copy of
@@ -130,6 +133,7 @@ load_slurm_config() {
   conf_SEED=0
   conf_OPTIONS=""
   conf_STAGEFS=""
+  conf_LOG=syslog
   local file=${STAGEFS_SLURM_CONF:-/etc/stagefs/slurm.conf}
   if [ -n "${STAGEFS_SLURM_CONF:-}" ] && [ ! -r "$file" ]; then
     warn "STAGEFS_SLURM_CONF=$file is not a readable file"
@@ -137,11 +141,29 @@ load_slurm_config() {
   fi
   if [ -r "$file" ]; then
     read_settings conf MOUNTPOINT CACHE_DIR STATE_DIR REQUEST_FILE ON_FAILURE GPUS_PER_NODE \
-      SOURCE SAMPLER SEED OPTIONS STAGEFS <"$file"
+      SOURCE SAMPLER SEED OPTIONS STAGEFS LOG <"$file"
   fi
   if [ -z "${STAGEFS:-}" ] && [ -n "$conf_STAGEFS" ]; then
     STAGEFS=$conf_STAGEFS
   fi
+}
+
+# Sends one message of the Prolog or Epilog where the site reads it (LOG: `syslog`, a file,
+# or empty for stderr only). slurmd logs a script's output only when the script fails (tested
+# with 22.05): without this, the message of a prolog that lets the job start without a mount
+# (ON_FAILURE=continue) would be lost. A syslog without /dev/log (a container) is skipped.
+log_site() {
+  case $conf_LOG in
+    syslog)
+      if [ -S /dev/log ]; then
+        logger -t "$STAGEFS_PROG" -- "$1" 2>/dev/null || true
+      fi
+      ;;
+    *)
+      printf '%s %s[%s]: %s\n' "$(date '+%Y-%m-%dT%H:%M:%S')" "$STAGEFS_PROG" "$$" "$1" \
+        >>"$conf_LOG" 2>/dev/null || true
+      ;;
+  esac
 }
 
 # Expands %j (job id), %n (node index in the job: $node), %u (job user: $job_user), %w (job

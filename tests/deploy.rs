@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestMount, bin, getfattr, image_folder, is_mounted, stagefs, stats_at};
+use common::{TestMount, alive, bin, getfattr, image_folder, is_mounted, stagefs, stats_at, text};
 use tempfile::TempDir;
 
 /// Longest any single step may take before the test gives up (a hang guard, not a timing check).
@@ -30,10 +30,6 @@ fn scripts_dir() -> PathBuf {
 
 fn script(name: &str) -> PathBuf {
     scripts_dir().join(name)
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// Undoes what a test set up, in reverse order, even when the test panics.
@@ -144,17 +140,6 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     while !cond() {
         assert!(start.elapsed() < DEADLINE, "gave up waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// True while process `pid` exists and is not a zombie.
-fn alive(pid: i32) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| !rest.trim_start().starts_with('Z')),
-        Err(_) => false,
     }
 }
 
@@ -656,7 +641,7 @@ fn stagefs_run_refuses_a_busy_mountpoint() {
 }
 
 /// A faked Slurm setup on this machine: site configuration with per-node (%n) paths under a
-/// temporary directory, and a stub `scontrol` answering the two questions the prolog asks.
+/// temporary directory, and a stub `scontrol` expanding the one node list the tests use.
 struct FakeSlurm {
     dir: TempDir,
     source: PathBuf,
@@ -682,7 +667,6 @@ impl FakeSlurm {
             &stub,
             "#!/bin/sh\ncase \"$1 $2\" in\n\
              'show hostnames') [ \"$3\" = 'gpu[01-02]' ] && printf 'gpu01\\ngpu02\\n' ;;\n\
-             'show job') echo \"JobId=$4 ReqNodeList=(null) NodeList=gpu[01-02] BatchHost=gpu01\" ;;\n\
              *) exit 1 ;;\nesac\n",
         )
         .unwrap();
@@ -750,9 +734,9 @@ fn slurm_prolog_mounts_each_node_with_its_ranks_and_epilog_removes_everything() 
         ("STAGEFS_SEED", "7"),
         ("STAGEFS_SAMPLER", "torch-distributed"),
     ];
-    // Node 1 sees what a slurmd Prolog sees: no SLURM_NODEID (its index comes from its name in
-    // the job's node list, via scontrol), GPU ids instead of a count, and the job's request in
-    // its working directory.
+    // Node 1 sees what slurmd 22.05 gives its Prolog (see tests/slurm.rs): no SLURM_NODEID (its
+    // index comes from its name in SLURM_NODELIST, expanded by scontrol), GPU ids instead of a
+    // count, and the job's request in its working directory.
     let workdir = slurm.root().join("submit");
     fs::create_dir_all(&workdir).unwrap();
     fs::write(
@@ -763,7 +747,8 @@ fn slurm_prolog_mounts_each_node_with_its_ranks_and_epilog_removes_everything() 
     let node1 = [
         ("SLURM_JOB_ID", job.as_str()),
         ("SLURMD_NODENAME", "gpu02"),
-        ("SLURM_NNODES", "2"),
+        ("SLURM_NODELIST", "gpu[01-02]"),
+        ("SLURM_JOB_NUM_NODES", "2"),
         ("SLURM_JOB_GPUS", "0,1,2,3"),
         ("SLURM_JOB_WORK_DIR", workdir.to_str().unwrap()),
     ];

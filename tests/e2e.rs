@@ -39,10 +39,6 @@ const COMPUTE_MS: &str = "50";
 const BATCH: &str = "16";
 const EPOCHS: usize = 2;
 
-fn e2e_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e")
-}
-
 /// A GlusterFS volume for one test, mounted at `mnt`; stopped, deleted and its bricks removed
 /// on drop, whatever state it got to.
 struct Volume {

@@ -210,14 +210,6 @@ fn daemon_pid(mnt: &Path) -> i32 {
         .expect("pid")
 }
 
-/// Whether `pid` runs (a zombie has exited: nothing may reap a daemon reparented to init).
-fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
-        !s.lines()
-            .any(|l| l.starts_with("State:") && l.contains("(zombie)"))
-    })
-}
-
 fn signal(pid: i32, sig: i32) {
     // SAFETY: kill(2) has no memory preconditions.
     assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");

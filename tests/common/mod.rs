@@ -10,6 +10,24 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_stagefs"))
 }
 
+/// The end-to-end helpers: training scripts, `gluster.sh`, `slurm.sh`.
+pub fn e2e_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e")
+}
+
+/// A command's output as text, for messages.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Whether `pid` runs (a zombie has exited: nothing may reap a daemon reparented to init).
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+        !s.lines()
+            .any(|l| l.starts_with("State:") && l.contains("(zombie)"))
+    })
+}
+
 /// Runs `stagefs ARGS`, returning its output.
 pub fn stagefs(args: &[&str]) -> Output {
     Command::new(bin())
