@@ -3,6 +3,13 @@
 //! Open MPI's `OMPI_COMM_WORLD_*`, Slurm's `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, and
 //! MPICH's `PMI_RANK`/`PMI_SIZE`. DataLoader workers inherit it from their rank.
 //!
+//! PyTorch Lightning's own DDP launcher is the odd one: it sets `NODE_RANK`, `LOCAL_RANK` and
+//! `WORLD_SIZE` in the running script (invisible in `/proc`, which shows the environment a
+//! process started with) and starts local ranks 1.. as new processes with those, but no
+//! `RANK`. On node 0 such a process is rank `LOCAL_RANK`; the script it started from, with
+//! none of these, is rank 0, which is what an opener without a launcher's environment counts
+//! as anyway.
+//!
 //! Read only while `--sampler auto` is looking for the order, once per opener thread.
 
 use std::collections::HashMap;
@@ -73,6 +80,18 @@ pub fn parse(environ: &[u8]) -> Option<JobRank> {
         let digits = value.bytes().take_while(u8::is_ascii_digit).count();
         value[..digits].parse().ok()
     };
+    let lightning_child = || {
+        let (rank, world_size) = (number("LOCAL_RANK")?, number("WORLD_SIZE")?);
+        // Another node's ranks start at NODE_RANK × devices, which nothing here tells.
+        let first_node = vars.get(b"NODE_RANK".as_slice()).is_none_or(|n| *n == b"0");
+        (first_node && !vars.contains_key(b"RANK".as_slice()) && rank < world_size).then_some(
+            JobRank {
+                rank,
+                world_size,
+                local: None,
+            },
+        )
+    };
     LAUNCHERS
         .iter()
         .find_map(|[rank, world, local_rank, local_size]| {
@@ -89,6 +108,7 @@ pub fn parse(environ: &[u8]) -> Option<JobRank> {
                 local,
             })
         })
+        .or_else(lightning_child)
 }
 
 #[cfg(test)]
@@ -113,6 +133,26 @@ mod tests {
         // A rank past the world is no launcher's.
         assert_eq!(parse(b"RANK=4\0WORLD_SIZE=4\0"), None);
         assert_eq!(parse(b"RANK=0\0WORLD_SIZE=2\0").unwrap().local, None);
+    }
+
+    #[test]
+    fn lightning_children_on_the_first_node() {
+        let child = b"MASTER_PORT=1\0NODE_RANK=0\0LOCAL_RANK=1\0WORLD_SIZE=2\0";
+        assert_eq!(
+            parse(child),
+            Some(JobRank {
+                rank: 1,
+                world_size: 2,
+                local: None
+            })
+        );
+        assert_eq!(parse(b"LOCAL_RANK=3\0WORLD_SIZE=4\0").unwrap().rank, 3);
+        // Another node's: its global rank is unknown.
+        assert_eq!(parse(b"NODE_RANK=1\0LOCAL_RANK=1\0WORLD_SIZE=4\0"), None);
+        assert_eq!(parse(b"LOCAL_RANK=2\0WORLD_SIZE=2\0"), None);
+        // With RANK it is torchrun's, whatever else is there.
+        let torchrun = b"RANK=3\0WORLD_SIZE=4\0LOCAL_RANK=1\0NODE_RANK=1\0";
+        assert_eq!(parse(torchrun).unwrap().rank, 3);
     }
 
     #[test]

@@ -25,6 +25,11 @@ use super::{GeneratorSource, SamplerConfig, SamplerKind, numpy};
 const USUAL_SEEDS: [u64; 14] = [
     0, 42, 1, 1234, 3407, 2024, 2025, 2026, 1337, 12345, 123456, 31337, 2023, 7,
 ];
+/// The seed of a `torch.Generator()` nobody seeded (PyTorch's `default_rng_seed_val`).
+/// accelerate gives a shuffling DataLoader's RandomSampler such a generator when it shards
+/// the loader over processes (and so does the HF Trainer, through accelerate), so a job that
+/// seeds everything else still shuffles from this seed.
+const TORCH_UNSEEDED_GENERATOR: u64 = 67_280_421_310_721;
 /// torch seeds tried: every seed below this (plus [`USUAL_SEEDS`]). DistributedSampler seeds
 /// with `seed + epoch`, so this also covers resumed jobs with a small seed.
 const TORCH_SEEDS: u64 = 1 << 16;
@@ -89,7 +94,10 @@ pub fn detect(
             let seeds = first().chain(0..TORCH_SEEDS);
             stop_others(judge.numpy(seeds.take(affordable), &found))
         });
-        let seeds = first().chain(0..TORCH_SEEDS).chain(resumed_usual_seeds());
+        let seeds = first()
+            .chain([TORCH_UNSEEDED_GENERATOR])
+            .chain(0..TORCH_SEEDS)
+            .chain(resumed_usual_seeds());
         let torch = stop_others(judge.torch(seeds, &found));
         // A panic in the numpy search only loses its answer.
         let numpy = numpy.join().unwrap_or(None);
@@ -97,15 +105,27 @@ pub fn detect(
     })
 }
 
+/// The ranks' opens as one list, taking each rank's next open in turn (as their loaders
+/// interleave in time), labelled `rank`.
+fn interleaved(all: &[RankOpens], rank: u32) -> RankOpens {
+    let longest = all.iter().map(|r| r.indices.len()).max().unwrap_or(0);
+    let indices = (0..longest)
+        .flat_map(|i| all.iter().filter_map(move |r| r.indices.get(i).copied()))
+        .collect();
+    RankOpens { rank, indices }
+}
+
 /// The observed opens, and how candidates are judged against them.
 struct Judge<'a> {
     len: u64,
     world_size: u32,
-    /// The rank with the most opens, which the search runs on, as a rank of a sampler that
-    /// reads the whole order, and (with several ranks) as a DistributedSampler's rank.
-    main: Prefix,
+    /// Every rank's opens together, judged as the start of a sampler that reads the whole
+    /// order: on one node that order is read once, whether each rank reads all of it or the
+    /// ranks deal its batches out among them (accelerate's sharded loader).
+    whole: Prefix,
+    /// The rank with the most opens, which the DistributedSampler search runs on.
     main_distributed: Option<Prefix>,
-    /// The ranks a candidate is verified on once it passes on `main`.
+    /// The ranks a DistributedSampler candidate is verified on once it passes on the busiest.
     all: &'a [RankOpens],
 }
 
@@ -178,24 +198,25 @@ impl<'a> Judge<'a> {
     fn new(len: u64, world_size: u32, all: &'a [RankOpens]) -> Option<Judge<'a>> {
         let world_size = world_size.max(1);
         let busiest = all.iter().max_by_key(|r| r.indices.len())?;
-        let main = Prefix::new(busiest, len)?;
+        let whole = Prefix::new(&interleaved(all, busiest.rank), len)?;
         let main_distributed = (world_size > 1)
             .then(|| Prefix::new(busiest, len.div_ceil(u64::from(world_size))))
             .flatten();
         Some(Judge {
             len,
             world_size,
-            main,
+            whole,
             main_distributed,
             all,
         })
     }
 
-    /// The other ranks' opens, as prefixes of orders of `samples` per rank.
-    fn others(&self, samples: u64) -> impl Iterator<Item = Prefix> + '_ {
+    /// The other ranks' opens, as prefixes of a DistributedSampler's `samples` per rank.
+    fn others(&self, main: &Prefix, samples: u64) -> impl Iterator<Item = Prefix> + '_ {
+        let main = main.rank;
         self.all
             .iter()
-            .filter(|r| r.rank != self.main.rank && r.rank < self.world_size)
+            .filter(move |r| r.rank != main && r.rank < self.world_size)
             .filter_map(move |r| Prefix::new(r, samples))
     }
 
@@ -222,7 +243,9 @@ impl<'a> Judge<'a> {
         let stride = u64::from(self.world_size);
         let samples = self.len.div_ceil(stride);
         if !self.fits(main, draws, stride)
-            || !self.others(samples).all(|p| self.fits(&p, draws, stride))
+            || !self
+                .others(main, samples)
+                .all(|p| self.fits(&p, draws, stride))
         {
             return None;
         }
@@ -263,10 +286,9 @@ impl<'a> Judge<'a> {
                 },
             ),
         ];
-        let (generator, _) = candidates.into_iter().find(|&(_, draws)| {
-            self.fits(&self.main, draws, 1)
-                && self.others(self.len).all(|p| self.fits(&p, draws, 1))
-        })?;
+        let (generator, _) = candidates
+            .into_iter()
+            .find(|&(_, draws)| self.fits(&self.whole, draws, 1))?;
         let mut sampler = SamplerConfig::new(SamplerKind::TorchRandom);
         sampler.seed = i128::from(seed);
         sampler.generator = generator;
@@ -329,7 +351,7 @@ impl<'a> Judge<'a> {
                     let mut it = order.iter().copied();
                     prefix.matches(|| it.next())
                 };
-                if fits(&self.main) && self.others(self.len).all(|p| fits(&p)) {
+                if fits(&self.whole) {
                     let mut sampler = SamplerConfig::new(kind);
                     sampler.seed = i128::from(seed);
                     sampler.world_size = self.world_size;
@@ -583,6 +605,35 @@ mod tests {
             assert_eq!(found.sampler.generator, generator);
             assert_eq!((found.sampler.seed, found.epoch), (5, 0));
         }
+    }
+
+    /// accelerate's sharded loader: one RandomSampler on the unseeded `torch.Generator()` it
+    /// gives it, batches dealt out to the processes in turn.
+    #[test]
+    fn finds_accelerate_s_sharded_random_sampler() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
+        cfg.seed = i128::from(TORCH_UNSEEDED_GENERATOR);
+        cfg.generator = GeneratorSource::Sampler;
+        let order = cfg.epoch_order(3000, 0, 0).unwrap();
+        let batches: Vec<&[u32]> = order.chunks(16).collect();
+        let opens: Vec<RankOpens> = (0..2u32)
+            .map(|rank| {
+                let mine: Vec<u32> = batches
+                    .iter()
+                    .skip(rank as usize)
+                    .step_by(2)
+                    .flat_map(|b| b.iter().copied())
+                    .collect();
+                RankOpens {
+                    rank,
+                    indices: as_loader_opens(&mine, 64),
+                }
+            })
+            .collect();
+        let found = detect(3000, 2, None, &opens).unwrap();
+        assert_eq!(found.sampler.kind, SamplerKind::TorchRandom);
+        assert_eq!(found.sampler.generator, GeneratorSource::Sampler);
+        assert_eq!(found.sampler.seed, i128::from(TORCH_UNSEEDED_GENERATOR));
     }
 
     #[test]

@@ -34,6 +34,9 @@ const CHANCE_DIVISOR: u64 = 4;
 
 /// Epochs whose prediction quality is kept (the reader's and the few before it).
 const QUALITY_EPOCHS: usize = 8;
+/// Predicted positions the reader's front is the median of: a few re-read files among them
+/// cannot move it, and it still follows the loader within a batch or two.
+const FRONT_SAMPLE: usize = 16;
 
 #[derive(Clone, Copy, Debug)]
 pub struct TrackerSettings {
@@ -99,8 +102,10 @@ pub struct Tracker {
     /// Read positions of `base_epoch` and the next epoch, one bitmap each.
     consumed: [Vec<u64>; 2],
     cursor: Position,
-    /// The furthest predicted open.
+    /// The furthest predicted open (where matching reaches to).
     high_water: Position,
+    /// The last [`FRONT_SAMPLE`] predicted positions, whose median drags the cursor.
+    front: VecDeque<Position>,
     /// Recent opens and whether each was predicted.
     recent: VecDeque<(FileId, bool)>,
     recent_misses: usize,
@@ -125,6 +130,7 @@ impl Tracker {
             consumed: [vec![0; words], vec![0; words]],
             cursor: 0,
             high_water: 0,
+            front: VecDeque::with_capacity(FRONT_SAMPLE),
             recent: VecDeque::with_capacity(settings.recent),
             recent_misses: 0,
             mispredictions: 0,
@@ -219,7 +225,7 @@ impl Tracker {
                 self.mark(pos);
             }
             if predicted {
-                self.high_water = self.high_water.max(pos);
+                self.predicted_at(pos);
             }
             self.advance();
         }
@@ -266,6 +272,7 @@ impl Tracker {
         }
         self.cursor = pos;
         self.high_water = pos;
+        self.front.clear();
         self.recent.clear();
         self.recent_misses = 0;
         self.mode = TrackerMode::Predicting;
@@ -286,7 +293,7 @@ impl Tracker {
                 && pos - self.cursor < self.reach()
             {
                 self.mark(pos);
-                self.high_water = self.high_water.max(pos);
+                self.predicted_at(pos);
             }
         }
         self.advance();
@@ -366,15 +373,35 @@ impl Tracker {
         }
     }
 
-    /// Cursor = first unread position, but never more than half a reach behind the furthest
-    /// predicted open: what a loader left that far behind it is not coming (e.g. a dropped
-    /// last batch), and the opens after it must stay within reach. Positions never read are
+    fn predicted_at(&mut self, pos: Position) {
+        self.high_water = self.high_water.max(pos);
+        // The median lags the newest by half the sample: a quarter of a (tiny) reach at most.
+        let sample = (self.reach() / 4).clamp(1, FRONT_SAMPLE as u64) as usize;
+        while self.front.len() >= sample {
+            self.front.pop_front();
+        }
+        self.front.push_back(pos);
+    }
+
+    /// Where the reader's front is: the median of the last predicted positions. Not the
+    /// furthest: a file read again (accelerate's `even_batches` re-reads an epoch's first
+    /// batch at its end; a retry; a peek) matches its next use, anywhere within reach, and
+    /// dragging the cursor there would skip positions still to be read.
+    fn front(&self) -> Option<Position> {
+        let mut recent: Vec<Position> = self.front.iter().copied().collect();
+        let middle = recent.len() / 2;
+        (!recent.is_empty()).then(|| *recent.select_nth_unstable(middle).1)
+    }
+
+    /// Cursor = first unread position, but never more than half a reach behind the reader's
+    /// front ([`front`](Self::front)): what a loader left that far behind it is not coming
+    /// (e.g. a dropped last batch), and the opens after it must stay within reach. Positions never read are
     /// passed over at once: a sample that cannot be served, and the rest of a fed epoch
     /// shorter than the epoch length once the next one has been announced.
     fn advance(&mut self) {
-        self.cursor = self
-            .cursor
-            .max(self.high_water.saturating_sub(self.reach() / 2));
+        if let Some(front) = self.front() {
+            self.cursor = self.cursor.max(front.saturating_sub(self.reach() / 2));
+        }
         loop {
             if self.is_marked(self.cursor) {
                 self.cursor += 1;

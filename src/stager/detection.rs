@@ -293,8 +293,13 @@ impl Inner {
                 log::warn!("--sampler auto detected: {flags}; staging ahead from now on");
                 detector.found(flags);
             }
-            // The job announces its order: that takes precedence.
-            Ok(false) => {}
+            // The job announces its order (which ended the detection): that takes precedence.
+            Ok(false) if !detector.is_active() => {}
+            // The prediction moved meanwhile (`stagefs epoch`): the next search judges again.
+            Ok(false) => {
+                log::info!("--sampler auto found {flags}, but the prediction changed meanwhile");
+                detector.not_found();
+            }
             Err(e) => {
                 log::warn!("--sampler auto found {flags} but cannot follow it: {e}");
                 detector.not_found();

@@ -1046,3 +1046,28 @@ fn auto_finds_the_order_from_the_first_opens_and_predicts_it() {
     assert_eq!((last.epoch, last.predicted), (1, 2_000), "{g:?}");
     assert!(!h.stager().wants_job_ranks(), "detection over");
 }
+
+/// accelerate's sharded loader: one RandomSampler order, its batches dealt out to the ranks in
+/// turn, and with `even_batches` the rank left short re-reads the epoch's first batch at its
+/// end. Those re-reads are behind the reader and count as unpredicted; the next epochs must
+/// still be predicted in full.
+#[test]
+fn a_short_rank_re_reading_the_first_batch_does_not_lose_the_next_epochs() {
+    let mut setup = Setup::new(1000, SamplerKind::TorchRandom);
+    setup.sampler.generator = crate::order::GeneratorSource::Sampler;
+    let h = setup.build();
+    for epoch in 0..3 {
+        assert!(h.eventually(|| h.plan.planned(epoch).is_some()));
+        let mut files = h.plan.files(epoch);
+        let first_batch = files[..16].to_vec();
+        files.extend(first_batch);
+        read_batches(&h, &files, 16, 4, Duration::ZERO);
+    }
+    let gauges = h.stager().gauges();
+    assert!(
+        gauges.mispredictions <= 3 * 16,
+        "{} mispredictions",
+        gauges.mispredictions
+    );
+    assert_eq!(gauges.epoch, 3);
+}
