@@ -384,6 +384,15 @@ pub fn variants(sampler: &SamplerConfig, lost_epoch: u64) -> Vec<SamplerConfig> 
         v.kind = SamplerKind::NumpyInplace;
         out.push(v);
     }
+    // A sampler's own generator seeded with s reads randperm(n, s) first, and so does one
+    // reseeded with s + epoch at every epoch: DistributedSampler(num_replicas=1), or
+    // accelerate's SeedableRandomSampler (the HF Trainer's loader). The second epoch tells.
+    if sampler.kind == SamplerKind::TorchRandom && sampler.generator == GeneratorSource::Sampler {
+        let mut v = SamplerConfig::new(SamplerKind::TorchDistributed);
+        v.seed = sampler.seed;
+        v.torch_version = sampler.torch_version;
+        out.push(v);
+    }
     if sampler.kind == SamplerKind::TorchRandom {
         for generator in GeneratorSource::ALL {
             for persistent_workers in [false, true] {

@@ -160,7 +160,13 @@ impl Detector {
         if let DetectionState::Searching { opens } = &mut ob.state {
             *opens = busiest;
         }
-        let due = SEARCH_AT.get(ob.searches_done)? <= &busiest;
+        // A node's ranks start together; judged before the others open, the first rank's
+        // opens alone can fail where they are a share of a sharded order (accelerate deals
+        // a RandomSampler's batches out to the ranks). So the first search waits for every
+        // local rank the launcher names, a little while.
+        let local_ranks = ob.launch.local.map_or(1, |(_, size)| size as usize);
+        let all_ranks_in = ob.by_rank.len() >= local_ranks || busiest >= 4 * detect::MIN_OPENS;
+        let due = SEARCH_AT.get(ob.searches_done)? <= &busiest && all_ranks_in;
         if !due || ob.searching {
             return None;
         }

@@ -151,9 +151,15 @@ impl Inner {
         let window = self.settings.tracker.window;
         let mut best: Option<(usize, Order, u64)> = None;
         for sampler in detect::variants(&order.sampler, around_epoch) {
+            // One replica's order is the node's whole stream, whichever rank opened first.
+            let ranks = if sampler.world_size == 1 {
+                vec![0]
+            } else {
+                order.ranks.clone()
+            };
             let variant = Order {
                 sampler,
-                ranks: order.ranks.clone(),
+                ranks,
                 provenance: order.provenance,
             };
             for epoch in around_epoch.saturating_sub(1)..=around_epoch + 1 {

@@ -1071,3 +1071,24 @@ fn a_short_rank_re_reading_the_first_batch_does_not_lose_the_next_epochs() {
     );
     assert_eq!(gauges.epoch, 3);
 }
+
+/// The HF Trainer's loader (accelerate's SeedableRandomSampler) reseeds with seed + epoch, as
+/// DistributedSampler(num_replicas=1) does: epoch 0 reads what RandomSampler(generator=g)
+/// reads, so that is found first, and the second epoch must switch to the reseeding one.
+#[test]
+fn auto_tells_a_reseeding_sampler_from_a_continuing_one_in_the_second_epoch() {
+    let h = Setup::new(2_000, SamplerKind::Auto).build();
+    let mut job = SamplerConfig::new(SamplerKind::TorchDistributed);
+    job.seed = 42;
+    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
+    for epoch in 0..3 {
+        read_files(&h, &reader.files(epoch), 16, 2);
+    }
+    let g = h.stager().gauges();
+    assert_eq!(
+        g.prediction,
+        "detected: --sampler torch-distributed --seed 42 --world-size 1 --ranks 0 --epoch 1"
+    );
+    let last = g.prediction_quality_by_epoch.last().unwrap();
+    assert_eq!((last.epoch, last.predicted), (2, 2_000), "{g:?}");
+}
