@@ -209,10 +209,15 @@ case $1 in
       echo "no stagefs mount at $mnt"
       exit 3
     fi
+    # Every file of both epochs staged before the reads, so the hits do not depend on timing.
+    want=${{staged[SLURM_NODEID]}}
     for _ in $(seq 600); do
-      {stagefs} stats --json "$mnt" | grep -q "\"cached_files\": ${{staged[SLURM_NODEID]}}," && break
+      cached=$({stagefs} stats --json "$mnt" | {python} -c 'import json, sys; print(json.load(sys.stdin)["cached_files"])')
+      [ "$cached" = "$want" ] && exit 0
       sleep 0.1
     done
+    echo "the mount staged $cached of $want files in 60 s"
+    exit 6
     ;;
   last) exec {stagefs} stats --json "$mnt" > "stats-last.$SLURM_NODEID.json" ;;
   read)

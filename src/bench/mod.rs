@@ -145,19 +145,23 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         return Err(BenchError::SourceNotDirectory(config.source.clone()));
     }
     let reader_sampler = reader_sampler(&config.sampler)?;
+    // Before the scan, which may take minutes: a wrong --cache is said at once.
+    let work = work_dir(config.cache.as_deref(), &source)?;
     // A scan of a parallel file system can take minutes: show that something is happening.
     let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
     scanning.enable_steady_tick(SPINNER_TICK);
     let catalog = Catalog::scan(&source, MountConfig::default().scan_threads);
     scanning.finish_and_clear();
     let catalog = catalog?;
+    if config.cancel.load(Ordering::Relaxed) {
+        return Err(BenchError::Interrupted);
+    }
     let subset = subset::choose(
         &catalog,
         &config.extensions,
         config.size,
         config.subset_seed,
     )?;
-    let work = work_dir(config.cache.as_deref(), &source)?;
     // The mount starts from this scan, checked fresh, instead of scanning SOURCE again; and
     // a mount that did not scan has no index of its own to write into its cache later,
     // which could race with removing that cache.
@@ -320,6 +324,8 @@ impl Bench<'_> {
             });
         }
         let copy = self.work.join("copy");
+        // The copy reads SOURCE from storage too, not from what earlier methods left in memory.
+        self.cold.drop_page_cache();
         let started = Instant::now();
         self.copy_subset(&copy)?;
         let copy_seconds = started.elapsed().as_secs_f64();

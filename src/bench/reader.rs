@@ -80,8 +80,10 @@ pub fn read_epoch(
     let (mut stall, mut reading) = (Duration::ZERO, Duration::ZERO);
     let mut bytes = 0;
     std::thread::scope(|s| {
+        // DataLoader keeps prefetch_factor batches per worker outstanding, the one being read
+        // included: the channel holds the others.
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers)
-            .map(|_| mpsc::sync_channel::<Result<(u64, Duration), ReadError>>(PREFETCH_FACTOR))
+            .map(|_| mpsc::sync_channel::<Result<(u64, Duration), ReadError>>(PREFETCH_FACTOR - 1))
             .unzip();
         for (w, tx) in senders.into_iter().enumerate() {
             let batches = &batches;

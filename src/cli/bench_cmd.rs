@@ -160,20 +160,25 @@ fn chart_path(json: &Path) -> anyhow::Result<PathBuf> {
     Ok(svg)
 }
 
-/// A flag set once SIGINT, SIGTERM or SIGHUP arrives, so the benchmark stops between batches
-/// and removes its mount and files instead of dying with them in place.
-fn cancel_on_signal() -> Arc<AtomicBool> {
+/// A flag set once SIGINT, SIGTERM or SIGHUP arrives, so the benchmark (or the demo) stops
+/// between batches and removes its mounts and files instead of dying with them in place.
+/// Call it before any other thread exists, so every thread inherits the mask and only the
+/// waiter here takes the signals.
+pub(super) fn cancel_on_signal() -> Arc<AtomicBool> {
     let cancel = Arc::new(AtomicBool::new(false));
-    // Before any other thread exists, so every thread inherits the mask and only the waiter
-    // below takes the signals.
     let signals = daemon::block_termination_signals();
     let flag = cancel.clone();
     std::thread::spawn(move || {
         let mut signal = 0;
         // SAFETY: a valid signal set and out pointer.
-        if unsafe { libc::sigwait(&signals, &mut signal) } == 0 {
-            eprintln!("stagefs: signal {signal}: stopping and cleaning up");
-            flag.store(true, Ordering::Relaxed);
+        while unsafe { libc::sigwait(&signals, &mut signal) } == 0 {
+            if flag.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "stagefs: signal {signal}: already stopping, removing the mounts and files"
+                );
+            } else {
+                eprintln!("stagefs: signal {signal}: stopping and cleaning up");
+            }
         }
     });
     cancel

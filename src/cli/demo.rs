@@ -9,7 +9,6 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -74,9 +73,9 @@ fn make_dataset(root: &Path, files: u32) -> anyhow::Result<()> {
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let _ = daemon::logger("warn").try_init();
     // Before any thread exists (the slow remote's included): a Ctrl-C taken by a thread that
-    // does not block it would end the process with both mounts up, leaving them dead. Mounting
-    // blocks the signals from then on anyway.
-    daemon::block_termination_signals();
+    // does not block it would end the process with both mounts up, leaving them dead; taken
+    // here, it stops the bench, which removes its mount, then the remote is unmounted.
+    let cancel = super::bench_cmd::cancel_on_signal();
     let temp = match &args.workdir {
         Some(_) => None,
         None => Some(
@@ -139,7 +138,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         // whole machine's page cache is not a demo's business.
         cold_epochs: false,
         progress: true,
-        cancel: Arc::default(),
+        cancel,
     };
     let outcome = bench::run(&config);
     drop(slow);
