@@ -1180,7 +1180,13 @@ fn auto_finds_a_random_sampler_with_its_own_generator() {
 fn auto_finds_a_numpy_permutation_per_epoch() {
     let args = ["--seed", "4242"];
     let flags = "--sampler numpy-legacy --seed 4242 --epoch 0";
-    detected("train_chainer_style.py", &args, flags, 0, &NUMPY_AUTO_HIT_RATIOS);
+    detected(
+        "train_chainer_style.py",
+        &args,
+        flags,
+        0,
+        &NUMPY_AUTO_HIT_RATIOS,
+    );
 }
 
 #[test]
