@@ -1,7 +1,8 @@
 //! `stagefs bench` through the real binary on a small generated ImageFolder dataset: the
 //! JSON's shape and counts, the chart, a later stagefs epoch served from the cache, a
 //! reproducible subset of whole classes, nothing left behind (mount, cache, copy, SOURCE
-//! untouched), and bad input refused with one line.
+//! untouched), bad input refused with one line, and what limits a run's numbers (not root, a
+//! cache in memory) said in the report.
 
 mod common;
 
@@ -16,6 +17,9 @@ use common::*;
 /// Classes × files per class of the generated dataset.
 const CLASSES: u32 = 10;
 const PER_CLASS: u32 = 20;
+
+/// The uid and gid of `nobody`, for a run without root.
+const NOBODY: u32 = 65534;
 
 /// Generous: a run reads 200 small files a few times, and syncs before each epoch.
 const LIMIT_SECS: &str = "300";
@@ -309,4 +313,46 @@ fn interrupted_while_mounted_it_still_removes_everything() {
     assert_nothing_mounted(work.path());
     assert!(empty(&tmp), "left behind: {:?}", walk_files(&tmp));
     assert_eq!(listing(&source), before);
+}
+
+#[test]
+fn a_user_without_root_and_a_cache_in_memory_are_both_said() {
+    let (work, source, _tmp, _cache) = setup();
+    // Nobody reads SOURCE and writes to a cache directory of its own on tmpfs.
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    for dir in [work.path(), shm.path()] {
+        fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let cache = shm.path().join("cache");
+    fs::create_dir(&cache).unwrap();
+    std::os::unix::fs::chown(&cache, Some(NOBODY), Some(NOBODY)).unwrap();
+    let json_path = cache.join("results.json");
+    // A copy nobody can run (the build tree need not be open to other users); no stagefs
+    // method, as /dev/fuse may be root's only (it is on the machine this was written on).
+    let exe = work.path().join("stagefs-copy");
+    fs::copy(bin(), &exe).unwrap();
+    let out = Command::new("setpriv")
+        .arg(format!("--reuid={NOBODY}"))
+        .arg(format!("--regid={NOBODY}"))
+        .arg("--clear-groups")
+        .args(["timeout", LIMIT_SECS])
+        .arg(&exe)
+        .args(["bench", source.to_str().unwrap(), "--epochs", "2"])
+        .args(["--methods", "direct,copy-first", "--cache"])
+        .arg(&cache)
+        .arg("--json")
+        .arg(&json_path)
+        .output()
+        .expect("run setpriv (util-linux)");
+    let stdout = ok(&out);
+    let json: serde_json::Value = serde_json::from_slice(&fs::read(&json_path).unwrap()).unwrap();
+    let notes = json["notes"].as_array().unwrap();
+    let said = |what: &str| notes.iter().any(|n| n.as_str().unwrap().contains(what));
+    assert!(
+        said("not root: the page cache was dropped file by file"),
+        "{notes:?}"
+    );
+    assert!(said("is in memory (tmpfs)"), "{notes:?}");
+    assert!(stdout.contains("is in memory (tmpfs)"), "{stdout}");
+    assert_eq!(json["methods"]["copy_first"]["epochs"][1]["files"], 200);
 }

@@ -345,6 +345,28 @@ fn no_fuse_device() {
     );
 }
 
+/// An unprivileged user where /dev/fuse is root's only (as on some hardened nodes): the line
+/// says what mode it needs.
+#[test]
+fn fuse_device_closed_to_the_user() {
+    let s = setup();
+    let nobody = as_nobody(
+        &s,
+        &mount_args(&s.src, &s.mnt, &s.cache, &[]),
+        "/usr/bin:/bin",
+    );
+    let mut cmd = in_mount_namespace(
+        "mount -t tmpfs none /dev && mknod -m 600 /dev/fuse c 10 229",
+        &nobody,
+    );
+    assert_refused(
+        &s,
+        &s.mnt,
+        &mut cmd,
+        &["cannot open /dev/fuse (Permission denied)", "chmod 0666"],
+    );
+}
+
 /// An unprivileged user who may open /dev/fuse but has no fusermount3 (what mounts FUSE for
 /// non-root users) on PATH. /dev/fuse on this machine is root-only, so /dev/null, open to
 /// everyone, stands in for it: the check under test only opens the device.

@@ -22,8 +22,8 @@ pub mod subset;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -135,6 +135,10 @@ const SPINNER_TICK: std::time::Duration = std::time::Duration::from_millis(200);
 /// room for everything else the node writes there, as a mount's default cache size leaves.
 const COPY_MARGIN: f64 = 0.10;
 
+/// Where in the benchmark's directory the mount keeps its cache, and where the copy goes.
+const MOUNT_CACHE: &str = "stagefs-cache";
+const COPY: &str = "copy";
+
 /// Runs the selected methods over the subset `config` asks for.
 pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     let source = fs::canonicalize(&config.source).map_err(|source| BenchError::Source {
@@ -178,12 +182,18 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         .collect::<Result<Vec<_>, _>>()?;
     let bench = Bench {
         config,
-        source,
+        source: source.clone(),
         subset: &subset,
         orders: &orders,
         work: work.path(),
         index,
-        cold: ColdCache::new(config.cold_epochs),
+        cold: ColdCache {
+            enabled: config.cold_epochs,
+            source,
+            subset: &subset.paths,
+            written: vec![work.path().join(MOUNT_CACHE), work.path().join(COPY)],
+            problem: OnceLock::new(),
+        },
     };
     let mut report = Report {
         subset: SubsetSummary {
@@ -205,9 +215,20 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         }
     }
     report.notes.extend(bench.cold.note());
+    if in_memory(work.path()) {
+        report.notes.push(format!(
+            "--cache {} is in memory (tmpfs): the mount's cache and the copy were read from RAM, faster than a node's disk; give --cache a directory on local storage",
+            config.cache.as_deref().unwrap_or(&std::env::temp_dir()).display()
+        ));
+    }
     let path = work.path().to_path_buf();
-    work.close()
-        .map_err(|source| BenchError::Io { path, source })?;
+    // The numbers are measured: a directory that cannot be removed is said, not an error.
+    if let Err(e) = work.close() {
+        report.notes.push(format!(
+            "could not remove {}: {e}; remove it by hand",
+            path.display()
+        ));
+    }
     Ok(report)
 }
 
@@ -250,7 +271,7 @@ struct Bench<'a> {
     work: &'a Path,
     /// SOURCE's catalog as scanned for the subset, for the mount.
     index: Option<PathBuf>,
-    cold: ColdCache,
+    cold: ColdCache<'a>,
 }
 
 impl Bench<'_> {
@@ -280,7 +301,7 @@ impl Bench<'_> {
         let mount_config = MountConfig {
             source: self.source.clone(),
             mountpoint: mountpoint.clone(),
-            cache: self.work.join("stagefs-cache"),
+            cache: self.work.join(MOUNT_CACHE),
             sampler: self.config.sampler.clone(),
             ranks: self.config.ranks.clone(),
             layout: LayoutKind::List,
@@ -323,7 +344,7 @@ impl Bench<'_> {
                 ..MethodRun::default()
             });
         }
-        let copy = self.work.join("copy");
+        let copy = self.work.join(COPY);
         // The copy reads SOURCE from storage too, not from what earlier methods left in memory.
         self.cold.drop_page_cache();
         let started = Instant::now();
@@ -500,47 +521,175 @@ fn remove_dir(path: &Path) -> Result<(), BenchError> {
     })
 }
 
-/// Makes each epoch start from storage, not memory: the kernel's page cache is dropped
-/// before it, which needs root. Remembers why it could not, to say so once.
-struct ColdCache {
+/// Makes each epoch start from storage, not memory. As root the kernel's page cache is
+/// dropped whole. Otherwise each file the benchmark reads is told to leave it
+/// (`posix_fadvise(DONTNEED)`): the subset's files in SOURCE and every file under the
+/// directories it wrote (the mount's cache, the copy), never through the mountpoint, where an
+/// open would count as the job's. That frees their data, not the kernel's directory and inode
+/// caches, so the note says so.
+struct ColdCache<'a> {
     enabled: bool,
-    problem: std::sync::OnceLock<String>,
+    /// SOURCE, canonical, and the subset's paths in it.
+    source: PathBuf,
+    subset: &'a [PathBuf],
+    /// Directories the benchmark writes files into, evicted whole (absent ones are skipped).
+    written: Vec<PathBuf>,
+    /// What kept an epoch from starting cold, said once in the report.
+    problem: OnceLock<String>,
 }
 
 /// Where the kernel takes "drop clean caches" requests; 3 = page cache, dentries and inodes.
 const DROP_CACHES: &str = "/proc/sys/vm/drop_caches";
 
-impl ColdCache {
-    fn new(enabled: bool) -> Self {
-        ColdCache {
-            enabled,
-            problem: std::sync::OnceLock::new(),
-        }
-    }
-
+impl ColdCache<'_> {
     fn drop_page_cache(&self) {
-        if !self.enabled || self.problem.get().is_some() {
+        if !self.enabled {
             return;
         }
         // SAFETY: no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if unsafe { libc::geteuid() } == 0 {
+            // Dirty pages are not dropped: write them out first.
+            // SAFETY: no preconditions.
+            unsafe { libc::sync() };
+            match fs::write(DROP_CACHES, "3") {
+                Ok(()) => return,
+                Err(e) => {
+                    let _ = self.problem.set(format!(
+                        "{DROP_CACHES}: {e}: the page cache was dropped file by file instead, which leaves directories and inodes cached"
+                    ));
+                }
+            }
+        } else {
             let _ = self.problem.set(
-                "the page cache was not dropped before each epoch (that needs root): epochs read files still in memory"
+                "not root: the page cache was dropped file by file (posix_fadvise), which leaves directories and inodes cached, so opens may be faster than a cold job's"
                     .into(),
             );
-            return;
         }
-        // Dirty pages are not dropped: write them out first.
-        // SAFETY: no preconditions.
-        unsafe { libc::sync() };
-        if let Err(e) = fs::write(DROP_CACHES, "3") {
-            let _ = self.problem.set(format!(
-                "the page cache was not dropped before each epoch ({DROP_CACHES}: {e}): epochs read files still in memory"
-            ));
+        let mut missed = 0u64;
+        for rel in self.subset {
+            let file = fs::File::open(self.source.join(rel));
+            missed += u64::from(file.and_then(|f| evict(&f)).is_err());
+        }
+        for dir in &self.written {
+            missed += evict_tree(dir);
+        }
+        if missed > 0 {
+            log::debug!("{missed} files could not be evicted from the page cache");
         }
     }
 
     fn note(&self) -> Option<String> {
         self.problem.get().cloned()
+    }
+}
+
+/// Asks the kernel to drop `file`'s clean cached pages (dirty ones stay).
+fn evict(file: &fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid descriptor; offset 0 and length 0 mean the whole file.
+    match unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) } {
+        0 => Ok(()),
+        errno => Err(io::Error::from_raw_os_error(errno)),
+    }
+}
+
+/// [`evict`] for every regular file under `dir`, written out first (the benchmark wrote
+/// them, maybe just now); how many could not be.
+fn evict_tree(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut missed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        match entry.file_type() {
+            Ok(t) if t.is_dir() => missed += evict_tree(&path),
+            Ok(t) if t.is_file() => {
+                let file = fs::File::open(&path);
+                let evicted = file.and_then(|f| f.sync_data().and_then(|()| evict(&f)));
+                missed += u64::from(evicted.is_err());
+            }
+            _ => {}
+        }
+    }
+    missed
+}
+
+/// Whether `path` is on a file system kept in memory (tmpfs, ramfs), as /tmp often is.
+fn in_memory(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain data, for which all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and out pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    [libc::TMPFS_MAGIC, RAMFS_MAGIC].contains(&st.f_type)
+}
+
+/// ramfs's statfs type (linux/magic.h), which the libc crate does not name.
+const RAMFS_MAGIC: libc::__fsword_t = 0x858458f6u32 as libc::__fsword_t;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of `path` in the page cache, by mincore over a mapping of it.
+    fn resident_pages(path: &Path) -> usize {
+        use std::os::fd::AsRawFd;
+        let file = fs::File::open(path).unwrap();
+        let len = file.metadata().unwrap().len() as usize;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let mut pages = vec![0u8; len.div_ceil(page)];
+        // SAFETY: a read-only shared mapping of a file this test owns, unmapped below.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            );
+            assert_ne!(map, libc::MAP_FAILED);
+            assert_eq!(libc::mincore(map, len, pages.as_mut_ptr()), 0);
+            libc::munmap(map, len);
+        }
+        pages.iter().filter(|p| **p & 1 == 1).count()
+    }
+
+    #[test]
+    fn evicted_files_leave_the_page_cache_and_directories_are_walked() {
+        // Not on tmpfs, whose pages are the files themselves.
+        let tmp = std::env::temp_dir();
+        let parent = if in_memory(&tmp) {
+            "/var/tmp".into()
+        } else {
+            tmp
+        };
+        assert!(!in_memory(&parent), "{}", parent.display());
+        let dir = tempfile::tempdir_in(parent).unwrap();
+        let nested = dir.path().join("a/b");
+        fs::create_dir_all(&nested).unwrap();
+        let files = [dir.path().join("top"), nested.join("deep")];
+        for f in &files {
+            fs::write(f, vec![7u8; 1 << 20]).unwrap();
+            fs::read(f).unwrap();
+        }
+        // Written just now, so dirty: evict_tree writes them out before evicting.
+        assert_eq!(evict_tree(dir.path()), 0);
+        for f in &files {
+            assert_eq!(resident_pages(f), 0, "{}", f.display());
+        }
+        assert_eq!(evict_tree(&dir.path().join("absent")), 0);
+    }
+
+    #[test]
+    fn tmpfs_is_memory() {
+        assert!(in_memory(Path::new("/dev/shm")));
+        assert!(!in_memory(Path::new("/proc/self")));
     }
 }

@@ -3,6 +3,7 @@
 //! the dataset, and the mountpoint claim that serializes concurrent mounts.
 
 use std::fs;
+use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -147,7 +148,10 @@ fn check_fuse_available() -> Result<(), MountError> {
         .read(true)
         .write(true)
         .open("/dev/fuse")
-        .map_err(MountError::NoFuseDevice)?;
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::PermissionDenied => MountError::FuseDeviceClosed,
+            _ => MountError::NoFuseDevice(e),
+        })?;
     if crate::sys::euid() != 0 && which::which(mounts::FUSERMOUNT).is_err() {
         return Err(MountError::NoFusermount);
     }

@@ -57,6 +57,10 @@ pub enum MountError {
     )]
     NoFuseDevice(io::Error),
     #[error(
+        "cannot open /dev/fuse (Permission denied): a mount without root needs it open to every user (mode 0666, its usual one: `chmod 0666 /dev/fuse` as root), or run as root"
+    )]
+    FuseDeviceClosed,
+    #[error(
         "fusermount3 not found: install FUSE 3 (`apt-get install fuse3` or `dnf install fuse3`)"
     )]
     NoFusermount,
