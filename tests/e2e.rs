@@ -1288,6 +1288,84 @@ fn auto_finds_a_job_that_never_calls_set_epoch() {
     );
 }
 
+/// Two DDP ranks started by `torch.multiprocessing.spawn`, as DDP tutorials and Lightning's
+/// `ddp_spawn` do: nothing in their environment says which rank they are, only the process
+/// tree does. `--sampler auto` finds the DistributedSampler of both, each rank reads what
+/// `stagefs order` says for it, and the 30% cache is mostly hits (without the prediction,
+/// epochs after the first would hit about 30%). The job steps nothing (its ranks share stdin),
+/// so the hit ratio is over the whole run.
+#[test]
+fn auto_finds_ranks_started_by_torch_multiprocessing_spawn() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let (volume, data, mount) = small_cache_mount(work.path(), &[]);
+    let order_out = work.path().join("spawn.order");
+    let stderr = work.path().join("spawn.stderr");
+    let epochs = FEED_EPOCHS.to_string();
+    // As in detected_ranks: 100 ms a batch per rank.
+    let status = Command::new("timeout")
+        .arg(JOB_DEADLINE.as_secs().to_string())
+        .arg(PYTHON)
+        .arg(e2e_dir().join("train_stacks.py"))
+        .arg(&mount.mnt)
+        .args([
+            "--stack", "ddp", "--spawn", "2", "--seed", "0", "--epochs", &epochs,
+        ])
+        .args(["--batch-size", BATCH, "--compute-ms", "100", "--order-out"])
+        .arg(&order_out)
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", free_port())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .status()
+        .expect("run /usr/bin/python3");
+    assert!(
+        status.success(),
+        "the spawned job failed ({status}):\n{}",
+        std::fs::read_to_string(&stderr).unwrap_or_default()
+    );
+    let stats = mount.stats();
+    let flags = "--sampler torch-distributed --seed 0 --world-size 2 --ranks 0-1 --epoch 0";
+    assert_eq!(stats["prediction"], format!("detected: {flags}"), "{stats}");
+    assert_eq!(stats["mode"], "predicting", "{stats}");
+    for rank in ["0", "1"] {
+        let sampler = [
+            "--sampler",
+            "torch-distributed",
+            "--world-size",
+            "2",
+            "--rank",
+            rank,
+        ];
+        let read: Vec<String> = std::fs::read_to_string(format!("{}.{rank}", order_out.display()))
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        same_order(
+            &format!("spawned rank {rank} vs `stagefs order`"),
+            &read,
+            &predicted(&data.root, &sampler, FEED_EPOCHS, false),
+        );
+    }
+    let (hits, misses) = (
+        stats["hits"].as_u64().unwrap(),
+        stats["misses"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        hits + misses,
+        u64::from(FEED_FILES) * FEED_EPOCHS as u64,
+        "{stats}"
+    );
+    let ratio = hits as f64 / (hits + misses) as f64;
+    assert!(ratio >= 0.8, "hit ratio {ratio:.4} over the run; {stats}");
+    eprintln!("torch.multiprocessing.spawn: hit ratio {ratio:.4} over {FEED_EPOCHS} epochs");
+    mount.unmount();
+    drop(volume);
+}
+
 /// A wrong configuration on a dataset shorter than `--window` (a chance match anywhere in the
 /// window used to count as predicted): lost within the first epoch, with a hint naming the
 /// causes and `--sampler auto`, and from then on nothing staged that the job does not read.

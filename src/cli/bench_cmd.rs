@@ -61,8 +61,9 @@ pub struct BenchArgs {
         value_name = "LIST"
     )]
     pub methods: Vec<Method>,
-    /// Keep the page cache between epochs. By default, when run as root, it is dropped before
-    /// each epoch so every epoch reads from storage, as a dataset larger than memory would
+    /// Keep the page cache between epochs. By default it is dropped before each epoch (all of
+    /// it as root, otherwise the benchmark's files one by one), so that every epoch reads from
+    /// storage, as it would for a dataset larger than memory.
     #[arg(long)]
     pub warm: bool,
     /// Write the results as JSON to FILE, and the chart of epoch times beside it as FILE with `.svg`

@@ -10,12 +10,16 @@
   numpy        idx = np.arange(n); np.random.shuffle(idx) every epoch, DataLoader(sampler=idx)
   ddp          DistributedSampler under torch.distributed (gloo): start one process per rank
                with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (--start-epoch E: a job
-               resumed at epoch E; --no-set-epoch: a job that forgets sampler.set_epoch)
+               resumed at epoch E; --no-set-epoch: a job that forgets sampler.set_epoch), or
+               one process with --spawn N, which starts the N ranks itself with
+               torch.multiprocessing.spawn as DDP tutorials do: then no launcher variable
+               tells a rank's number (MASTER_ADDR/MASTER_PORT still come from the
+               environment), and rank R writes its --order-out to PATH.R
 
 Prints one JSON line per epoch (see common.run_epochs); nothing here knows about stagefs.
 
     python3 train_stacks.py ROOT --stack NAME [--persistent] [--opaque] [--start-epoch E]
-        [--no-set-epoch] [common options]
+        [--no-set-epoch] [--spawn N] [common options]
 """
 
 import os
@@ -84,7 +88,8 @@ def loaders(args, ds, targets):
 
         return epoch_loader
     elif args.stack == "ddp":
-        torch.distributed.init_process_group("gloo")
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")
         sampler = torch.utils.data.distributed.DistributedSampler(ds, seed=args.seed)
         loader = DataLoader(ds, sampler=sampler, **common_kw)
 
@@ -129,7 +134,25 @@ def main():
     p.add_argument("--opaque", action="store_true", help="hide the dataset's file paths (see Opaque)")
     p.add_argument("--start-epoch", type=int, default=0, help="ddp: the epoch a resumed job starts at")
     p.add_argument("--no-set-epoch", action="store_true", help="ddp: never call sampler.set_epoch")
+    p.add_argument("--spawn", type=int, default=0, help="ddp: start this many ranks with torch.multiprocessing.spawn")
     args = p.parse_args()
+    if args.spawn:
+        if args.stack != "ddp" or args.step:
+            raise SystemExit("--spawn is for --stack ddp, without --step (the ranks share stdin)")
+        torch.multiprocessing.spawn(spawned_rank, args=(args,), nprocs=args.spawn)
+    else:
+        train(args)
+
+
+def spawned_rank(rank, args):
+    """One rank started by torch.multiprocessing.spawn: its number is this argument only."""
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=args.spawn)
+    if args.order_out:
+        args.order_out = f"{args.order_out}.{rank}"
+    train(args)
+
+
+def train(args):
     torch.set_num_threads(1)
     folder = ImageFolder(args.root, loader=common.file_loader(args.decode))
     ds = Opaque(folder) if args.opaque else common.Indexed(folder)
