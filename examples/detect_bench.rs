@@ -3,6 +3,7 @@
 //!
 //!     cargo run --release --example detect_bench
 
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use stagefs::order::detect::{RankOpens, detect};
@@ -32,7 +33,8 @@ fn time(what: &str, cfg: &SamplerConfig, epoch: u64, ranks: std::ops::Range<u32>
     let node: Vec<u32> = ranks.clone().collect();
     let observed: Vec<RankOpens> = ranks.map(|r| opens(cfg, epoch, r)).collect();
     let started = Instant::now();
-    let found = detect(LEN, world, None, &observed);
+    let never_given_up = AtomicBool::new(false);
+    let found = detect(LEN, world, None, &observed, &never_given_up);
     let took = started.elapsed();
     let result = found.map_or("not found".to_string(), |d| d.sampler.flags(&node, d.epoch));
     println!("{what:<58} {:>9.1} ms  {result}", took.as_secs_f64() * 1e3);

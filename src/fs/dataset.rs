@@ -221,7 +221,7 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         }
         let stager = &self.data.stager;
         if stager.wants_job_ranks() {
-            stager.observe_open(id(ino), self.launchers.rank_of(caller.pid));
+            stager.observe_open(id(ino), self.launchers.rank_of(caller.pid), caller.pid);
         }
         let opens = self.opens.clone();
         self.data.stager.open(

@@ -67,19 +67,22 @@ pub struct Detection {
 
 /// Looks for the sampler, seed and epoch whose order starts with the observed opens of a
 /// dataset of `len` samples read by `world_size` ranks (the job's `WORLD_SIZE`; 1 when it has
-/// none), trying `hinted_seed` (the mount's `--seed`) first. `None` when no candidate explains them, or when the dataset is too small for a
-/// match to mean anything.
+/// none), trying `hinted_seed` (the mount's `--seed`) first. `None` when no candidate explains
+/// them, when the dataset is too small for a match to mean anything, or when `give_up` is set
+/// meanwhile (the caller has better opens to search).
 pub fn detect(
     len: u64,
     world_size: u32,
     hinted_seed: Option<u64>,
     opens: &[RankOpens],
+    give_up: &AtomicBool,
 ) -> Option<Detection> {
     let judge = Judge::new(len, world_size, opens)?;
     // numpy's candidates cost a whole permutation each: they are searched on a thread of
     // their own, beside torch's, and the first to find stops the other. Each tries the usual
     // seeds first.
     let found = AtomicBool::new(false);
+    let stop = || found.load(Ordering::Relaxed) || give_up.load(Ordering::Relaxed);
     let stop_others = |d: Option<Detection>| {
         if d.is_some() {
             found.store(true, Ordering::Relaxed);
@@ -92,13 +95,13 @@ pub fn detect(
             // None at all when even one permutation is beyond the budget.
             let affordable = (NUMPY_BUDGET_DRAWS / (2 * len.max(1))) as usize;
             let seeds = first().chain(0..TORCH_SEEDS);
-            stop_others(judge.numpy(seeds.take(affordable), &found))
+            stop_others(judge.numpy(seeds.take(affordable), &stop))
         });
         let seeds = first()
             .chain([TORCH_UNSEEDED_GENERATOR])
             .chain(0..TORCH_SEEDS)
             .chain(resumed_usual_seeds());
-        let torch = stop_others(judge.torch(seeds, &found));
+        let torch = stop_others(judge.torch(seeds, &stop));
         // A panic in the numpy search only loses its answer.
         let numpy = numpy.join().unwrap_or(None);
         torch.or(numpy)
@@ -221,9 +224,13 @@ impl<'a> Judge<'a> {
     }
 
     /// The torch samplers with generator seed `seed`, for each of `seeds` in turn.
-    fn torch(&self, mut seeds: impl Iterator<Item = u64>, stop: &AtomicBool) -> Option<Detection> {
+    fn torch(
+        &self,
+        mut seeds: impl Iterator<Item = u64>,
+        stop: &impl Fn() -> bool,
+    ) -> Option<Detection> {
         seeds.find_map(|seed| {
-            if stop.load(Ordering::Relaxed) {
+            if stop() {
                 return None;
             }
             self.torch_distributed(seed)
@@ -335,10 +342,14 @@ impl<'a> Judge<'a> {
 
     /// numpy's legacy `RandomState` and `default_rng` permutations at epoch 0 (the in-place
     /// shuffle idiom reads the same first epoch), for each of `seeds`.
-    fn numpy(&self, seeds: impl Iterator<Item = u64>, stop: &AtomicBool) -> Option<Detection> {
+    fn numpy(
+        &self,
+        seeds: impl Iterator<Item = u64>,
+        stop: &impl Fn() -> bool,
+    ) -> Option<Detection> {
         let mut order = Vec::new();
         for seed in seeds {
-            if stop.load(Ordering::Relaxed) {
+            if stop() {
                 return None;
             }
             let kinds = [
@@ -541,6 +552,9 @@ impl<D: FnMut() -> u32> SparsePermutation<D> {
 mod tests {
     use super::*;
 
+    /// A search nobody gives up.
+    static KEEP_ON: AtomicBool = AtomicBool::new(false);
+
     /// The first `k` indices `rank` reads, as two workers with batches of 8 open them: worker 0
     /// reads batch 0 while worker 1 reads batch 1, and so on.
     fn as_loader_opens(order: &[u32], k: usize) -> Vec<u32> {
@@ -597,7 +611,7 @@ mod tests {
         cfg.world_size = 2;
         cfg.seed = 42;
         let opens = [opens_of(&cfg, 5000, 3, 0), opens_of(&cfg, 5000, 3, 1)];
-        let found = detect(5000, 2, None, &opens).unwrap();
+        let found = detect(5000, 2, None, &opens, &KEEP_ON).unwrap();
         assert_eq!(found.sampler.kind, SamplerKind::TorchDistributed);
         assert_eq!((found.sampler.seed, found.epoch), (42, 3));
         assert_eq!(found.sampler.world_size, 2);
@@ -609,7 +623,7 @@ mod tests {
             let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
             cfg.seed = 5;
             cfg.generator = generator;
-            let found = detect(3000, 1, None, &[opens_of(&cfg, 3000, 0, 0)]).unwrap();
+            let found = detect(3000, 1, None, &[opens_of(&cfg, 3000, 0, 0)], &KEEP_ON).unwrap();
             assert_eq!(found.sampler.kind, SamplerKind::TorchRandom, "{generator}");
             assert_eq!(found.sampler.generator, generator);
             assert_eq!((found.sampler.seed, found.epoch), (5, 0));
@@ -639,7 +653,7 @@ mod tests {
                 }
             })
             .collect();
-        let found = detect(3000, 2, None, &opens).unwrap();
+        let found = detect(3000, 2, None, &opens, &KEEP_ON).unwrap();
         assert_eq!(found.sampler.kind, SamplerKind::TorchRandom);
         assert_eq!(found.sampler.generator, GeneratorSource::Sampler);
         assert_eq!(found.sampler.seed, i128::from(TORCH_UNSEEDED_GENERATOR));
@@ -650,7 +664,7 @@ mod tests {
         for kind in [SamplerKind::NumpyLegacy, SamplerKind::NumpyGenerator] {
             let mut cfg = SamplerConfig::new(kind);
             cfg.seed = 777;
-            let found = detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)]).unwrap();
+            let found = detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)], &KEEP_ON).unwrap();
             assert_eq!(found.sampler.kind, kind);
             assert_eq!(found.sampler.seed, 777);
         }
@@ -661,8 +675,8 @@ mod tests {
         // A seed past every range searched, and a dataset too small to judge.
         let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
         cfg.seed = 987_654_321;
-        assert!(detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)]).is_none());
-        assert!(detect(100, 1, None, &[opens_of(&cfg, 100, 0, 0)]).is_none());
+        assert!(detect(2000, 1, None, &[opens_of(&cfg, 2000, 0, 0)], &KEEP_ON).is_none());
+        assert!(detect(100, 1, None, &[opens_of(&cfg, 100, 0, 0)], &KEEP_ON).is_none());
     }
 
     #[test]
@@ -670,7 +684,7 @@ mod tests {
         let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
         cfg.seed = 987_654_321;
         let opens = [opens_of(&cfg, 2000, 0, 0)];
-        let found = detect(2000, 1, Some(987_654_321), &opens).unwrap();
+        let found = detect(2000, 1, Some(987_654_321), &opens, &KEEP_ON).unwrap();
         assert_eq!(found.sampler.seed, 987_654_321);
     }
 
@@ -680,5 +694,14 @@ mod tests {
         assert_eq!(split_seed_and_epoch(42), (42, 0));
         assert_eq!(split_seed_and_epoch(45), (42, 3));
         assert_eq!(split_seed_and_epoch(1000), (1000, 0));
+    }
+
+    #[test]
+    fn a_search_given_up_finds_nothing() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchRandom);
+        cfg.seed = 5;
+        let opens = [opens_of(&cfg, 2000, 0, 0)];
+        assert!(detect(2000, 1, None, &opens, &KEEP_ON).is_some());
+        assert!(detect(2000, 1, None, &opens, &AtomicBool::new(true)).is_none());
     }
 }

@@ -5,8 +5,15 @@
 //! start with a few stray opens, and more opens make a match more certain); after the last
 //! one the mount stays on demand and says so. An order the job announces (the feed hook)
 //! takes precedence: it ends the detection.
+//!
+//! A search judges the opens made before it started. If a new reader (a DataLoader worker
+//! process, a reading thread) opens its first file meanwhile, those may not include the
+//! order's start: a loader whose worker 0 starts late (workers started with the spawn method
+//! take seconds to import torch) first shows only worker 1's batches, and the search's cheap
+//! first test (worker 0 reads position 0 first) rejects the right seed. So the search gives up
+//! and starts again at once with the opens so far, in the same round.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -23,6 +30,9 @@ use crate::plan::{Order, Provenance, TrackerMode};
 const SEARCH_AT: [usize; 4] = [detect::MIN_OPENS, 256, 1024, 4096];
 /// Opens kept per rank: enough for the last search.
 const KEPT_OPENS: usize = 4096;
+/// Readers told apart while detecting: a DataLoader's workers on every rank of a node, and
+/// room for the threads of a thread pool; readers beyond are not told apart.
+const KEPT_OPENERS: usize = 1024;
 
 /// Which of the job's ranks opened a file, from the launcher's environment of the opener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +74,14 @@ pub enum DetectionState {
     Announced,
 }
 
+/// What one search judges: the launcher's environment, the opens per rank, and where the
+/// previous round's opens ended.
+struct Search {
+    launch: JobRank,
+    opens: Vec<RankOpens>,
+    previous: usize,
+}
+
 /// The detection's state: the opens seen, and whether a search is running.
 struct Observed {
     state: DetectionState,
@@ -71,6 +89,8 @@ struct Observed {
     /// (4 bytes per catalog entry).
     index_of: Vec<u32>,
     by_rank: BTreeMap<u32, Vec<u32>>,
+    /// The threads that opened files so far (see the module's note).
+    openers: HashSet<u32>,
     launch: JobRank,
     searching: bool,
     searches_done: usize,
@@ -80,6 +100,9 @@ pub(super) struct Detector {
     /// Set while opens are wanted: the FUSE layer reads the opener's environment only then.
     active: AtomicBool,
     observed: Mutex<Observed>,
+    /// Set while a search runs when a new reader opened its first file: the search stops and
+    /// starts again with the opens so far.
+    give_up: AtomicBool,
 }
 
 impl Detector {
@@ -101,10 +124,12 @@ impl Detector {
                 state: DetectionState::Searching { opens: 0 },
                 index_of,
                 by_rank: BTreeMap::new(),
+                openers: HashSet::new(),
                 launch: JobRank::ALONE,
                 searching: false,
                 searches_done: 0,
             }),
+            give_up: AtomicBool::new(false),
         }
     }
 
@@ -128,12 +153,12 @@ impl Detector {
         ob.state = state;
         ob.searching = false;
         ob.by_rank = BTreeMap::new();
+        ob.openers = HashSet::new();
         ob.index_of = Vec::new();
     }
 
-    /// Records an open; returns what to search if a search is due now: the launcher's
-    /// environment, the opens per rank, and where the previous search's opens ended.
-    fn observe(&self, file: FileId, rank: JobRank) -> Option<(JobRank, Vec<RankOpens>, usize)> {
+    /// Records an open by thread `opener`; returns what to search if a search is due now.
+    fn observe(&self, file: FileId, rank: JobRank, opener: u32) -> Option<Search> {
         if !self.is_active() {
             return None;
         }
@@ -156,6 +181,9 @@ impl Detector {
         if opens.len() < KEPT_OPENS {
             opens.push(index);
         }
+        if ob.openers.len() < KEPT_OPENERS && ob.openers.insert(opener) && ob.searching {
+            self.give_up.store(true, Ordering::Relaxed);
+        }
         let busiest = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
         if let DetectionState::Searching { opens } = &mut ob.state {
             *opens = busiest;
@@ -172,16 +200,31 @@ impl Detector {
         }
         ob.searching = true;
         ob.searches_done += 1;
-        let opens = ob
-            .by_rank
-            .iter()
-            .map(|(&rank, indices)| RankOpens {
-                rank,
-                indices: indices.clone(),
-            })
-            .collect();
-        let previous = ob.searches_done.checked_sub(2).map_or(0, |i| SEARCH_AT[i]);
-        Some((ob.launch, opens, previous))
+        Some(self.search_of(&ob))
+    }
+
+    /// What a search given up searches instead: the opens so far, in the same round. `None`
+    /// when the detection ended meanwhile.
+    fn resume(&self) -> Option<Search> {
+        let ob = self.observed.lock();
+        (self.is_active() && ob.searching).then(|| self.search_of(&ob))
+    }
+
+    /// A search of the opens so far, in round `searches_done`.
+    fn search_of(&self, ob: &Observed) -> Search {
+        self.give_up.store(false, Ordering::Relaxed);
+        Search {
+            launch: ob.launch,
+            opens: ob
+                .by_rank
+                .iter()
+                .map(|(&rank, indices)| RankOpens {
+                    rank,
+                    indices: indices.clone(),
+                })
+                .collect(),
+            previous: ob.searches_done.checked_sub(2).map_or(0, |i| SEARCH_AT[i]),
+        }
     }
 
     /// A search ended without a result.
@@ -210,18 +253,19 @@ impl Detector {
 }
 
 impl Inner {
-    /// Feeds one open of `file` by `rank` to the detection; starts a search when one is due.
-    pub(super) fn observe_open(self: &Arc<Self>, file: FileId, rank: JobRank) {
+    /// Feeds one open of `file` by thread `opener` of `rank` to the detection; starts a
+    /// search when one is due.
+    pub(super) fn observe_open(self: &Arc<Self>, file: FileId, rank: JobRank, opener: u32) {
         let Some(detector) = &self.detector else {
             return;
         };
-        let Some((launch, opens, previous)) = detector.observe(file, rank) else {
+        let Some(search) = detector.observe(file, rank, opener) else {
             return;
         };
         let inner = self.clone();
         let spawned = std::thread::Builder::new()
             .name("stage-detect".into())
-            .spawn(move || inner.search(launch, opens, previous));
+            .spawn(move || inner.search(search));
         if let Err(e) = spawned {
             log::warn!("cannot start the order search: {e}");
             detector.not_found();
@@ -231,10 +275,15 @@ impl Inner {
     /// Searches the opens from the first, and after a first search also from where that
     /// one's ended (`previous`): a job whose first opens were another loader's (a validation
     /// sanity check, a peek at a batch) starts its epoch there.
-    fn search(self: Arc<Self>, launch: JobRank, mut opens: Vec<RankOpens>, previous: usize) {
+    fn search(self: Arc<Self>, search: Search) {
         let Some(detector) = &self.detector else {
             return;
         };
+        let Search {
+            launch,
+            mut opens,
+            previous,
+        } = search;
         let started = std::time::Instant::now();
         let len = self.plan.layout().len() as u64;
         // The mount's own flags are hints: its seed is tried first, and without a launcher's
@@ -263,11 +312,21 @@ impl Inner {
                 })
                 .collect()
         };
-        let found = detect::detect(len, launch.world_size, hinted_seed, &opens).or_else(|| {
-            (previous > 0)
-                .then(|| detect::detect(len, launch.world_size, hinted_seed, &from(previous)))
-                .flatten()
-        });
+        let give_up = &detector.give_up;
+        let found =
+            detect::detect(len, launch.world_size, hinted_seed, &opens, give_up).or_else(|| {
+                (previous > 0)
+                    .then(|| {
+                        detect::detect(
+                            len,
+                            launch.world_size,
+                            hinted_seed,
+                            &from(previous),
+                            give_up,
+                        )
+                    })
+                    .flatten()
+            });
         log::info!(
             "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
             opens.iter().map(|r| r.indices.len()).sum::<usize>(),
@@ -275,6 +334,14 @@ impl Inner {
             started.elapsed()
         );
         let Some(Detection { sampler, epoch }) = found else {
+            if give_up.load(Ordering::Relaxed)
+                && let Some(again) = detector.resume()
+            {
+                log::info!(
+                    "--sampler auto: a new reader opened files during the search; searching again"
+                );
+                return self.clone().search(again);
+            }
             return detector.not_found();
         };
         if !detector.is_active() {

@@ -306,9 +306,10 @@ impl Stager {
             .is_some_and(Detector::is_active)
     }
 
-    /// Rank `rank` of the job opened `file` (see [`wants_job_ranks`](Self::wants_job_ranks)).
-    pub fn observe_open(&self, file: FileId, rank: JobRank) {
-        self.inner.observe_open(file, rank);
+    /// Thread `opener`, of rank `rank` of the job, opened `file` (see
+    /// [`wants_job_ranks`](Self::wants_job_ranks)).
+    pub fn observe_open(&self, file: FileId, rank: JobRank, opener: u32) {
+        self.inner.observe_open(file, rank, opener);
     }
 
     /// Whether thread `tid` is one of the copy threads.

@@ -922,7 +922,7 @@ fn read_batches(h: &Harness, files: &[FileId], batch: usize, workers: usize, com
                     }
                     for &f in batches[k] {
                         if h.stager().wants_job_ranks() {
-                            h.stager().observe_open(f, JobRank::ALONE);
+                            h.stager().observe_open(f, JobRank::ALONE, w as u32);
                         }
                         h.check(f);
                     }
@@ -1045,6 +1045,38 @@ fn auto_finds_the_order_from_the_first_opens_and_predicts_it() {
     let last = g.prediction_quality_by_epoch.last().unwrap();
     assert_eq!((last.epoch, last.predicted), (1, 2_000), "{g:?}");
     assert!(!h.stager().wants_job_ranks(), "detection over");
+}
+
+/// A loader whose worker 0 starts late (spawned workers import torch for seconds): worker 1
+/// reads its two batches (1 and 3, all prefetching lets it), then waits for batch 0. The
+/// first search judges those 32 opens only, which lack the order's start; when worker 0's
+/// first open comes in, the search must start again with it rather than run its course
+/// (seconds over every numpy seed) while the epoch is read on demand.
+#[test]
+fn auto_searches_again_when_a_late_worker_opens_the_order_s_start() {
+    let h = Setup::new(2_000, SamplerKind::Auto).build();
+    let mut job = SamplerConfig::new(SamplerKind::TorchRandom);
+    job.seed = 5;
+    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
+    let files = reader.files(0);
+    const WORKER_1: u32 = 1;
+    for batch in [1, 3] {
+        for &f in &files[16 * batch..16 * (batch + 1)] {
+            h.stager().observe_open(f, JobRank::ALONE, WORKER_1);
+            h.check(f);
+        }
+    }
+    // The first search is under way on worker 1's opens; worker 0 arrives, and the loader
+    // goes on with both (re-reading batches 1 and 3 is as good as waiting for them here).
+    read_files(&h, &files, 16, 2);
+    let g = h.stager().gauges();
+    assert_eq!(
+        g.prediction,
+        "detected: --sampler torch-random --seed 5 --generator loader --epoch 0"
+    );
+    // Searching all numpy seeds for 2,000 samples takes about 2 s; the epoch, about 1.3 s.
+    let epoch0 = &g.prediction_quality_by_epoch[0];
+    assert!(epoch0.predicted >= 1_500, "{g:?}");
 }
 
 /// accelerate's sharded loader: one RandomSampler order, its batches dealt out to the ranks in
