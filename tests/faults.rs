@@ -833,6 +833,19 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
     );
     assert_eq!(s["errors"], 0);
     assert!(rss_after < 200 * 1024, "daemon RSS {rss_after} kB");
+    // The daemon keeps hits' copies open between opens; an evicted one kept open would hold
+    // its disk space past the bound.
+    let held: Vec<_> = fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|fd| fs::read_link(fd.unwrap().path()).ok())
+        .filter(|t| t.starts_with(&m.cache))
+        .collect();
+    assert!(held.len() > 1, "hits' copies are kept open: {held:?}");
+    let deleted: Vec<_> = held
+        .iter()
+        .filter(|t| t.to_string_lossy().ends_with(" (deleted)"))
+        .collect();
+    assert!(deleted.is_empty(), "evicted copies still open: {deleted:?}");
 }
 
 /// The deterministic core of the concurrency faults: one file open twice at once, both times

@@ -27,6 +27,7 @@
 //! first opened).
 
 mod manifest;
+mod open_copies;
 mod root;
 mod stage;
 #[cfg(test)]
@@ -39,6 +40,7 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use sha2::{Digest, Sha256};
@@ -48,6 +50,8 @@ use crate::files::open_nofollow;
 
 pub use manifest::Manifest;
 use manifest::write_manifest;
+use open_copies::OpenCopies;
+pub use open_copies::OpenCopy;
 use root::mkdir_private;
 pub use root::{check_root, prepare};
 
@@ -138,6 +142,7 @@ pub struct CacheDir {
     temp_seq: AtomicU64,
     /// Set once the cache file system refused the checksum attribute (warned about once).
     no_xattrs: AtomicBool,
+    open_copies: OpenCopies,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
@@ -210,6 +215,7 @@ impl CacheDir {
             _lock: lock,
             temp_seq: AtomicU64::new(0),
             no_xattrs: AtomicBool::new(false),
+            open_copies: OpenCopies::new(),
         })
     }
 
@@ -271,11 +277,18 @@ impl CacheDir {
         kept
     }
 
-    /// Opens the cached copy of `file`, staged by this mount.
-    pub fn open_cached(&self, catalog: &Catalog, file: FileId) -> io::Result<File> {
-        open_nofollow(&self.path_for(catalog, file))
+    /// The cached copy of `file`, staged by this mount: kept open from an earlier open, or
+    /// opened now (and kept, room permitting).
+    pub fn open_cached(&self, catalog: &Catalog, file: FileId) -> io::Result<Arc<OpenCopy>> {
+        if let Some(copy) = self.open_copies.get(file) {
+            return Ok(copy);
+        }
+        let opened = open_nofollow(&self.path_for(catalog, file))?;
+        Ok(self.open_copies.keep(file, OpenCopy::new(opened)))
     }
 
+    /// Removes `file`'s copy, and lets go of it if kept open, so its space comes back as soon
+    /// as no reader has it open.
     pub fn remove(&self, catalog: &Catalog, file: FileId) {
         let path = self.path_for(catalog, file);
         if let Err(e) = fs::remove_file(&path)
@@ -283,6 +296,7 @@ impl CacheDir {
         {
             log::warn!("cannot remove cached {}: {e}", path.display());
         }
+        self.open_copies.forget(file);
     }
 
     /// Bytes the cache's file system can still take, and its total size.

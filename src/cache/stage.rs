@@ -8,11 +8,12 @@ use std::io::{self, Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use super::{CacheDir, CacheError, CopyError, io_err};
+use super::{CacheDir, CacheError, CopyError, OpenCopy, io_err};
 use crate::catalog::{Catalog, Entry, FileId};
 use crate::files::open_nofollow;
 
@@ -31,7 +32,12 @@ impl CacheDir {
     /// Opens the cached copy of `file` that a previous mount left, after checking its
     /// bytes against the checksum recorded when it was staged. Reads the whole file: call it
     /// without holding locks others wait on.
-    pub fn open_verified(&self, catalog: &Catalog, file: FileId) -> Result<File, CacheError> {
+    pub fn open_verified(
+        &self,
+        catalog: &Catalog,
+        file: FileId,
+    ) -> Result<Arc<OpenCopy>, CacheError> {
+        let id = file;
         let path = self.path_for(catalog, file);
         let mut file = open_nofollow(&path).map_err(io_err(&path))?;
         let recorded = read_checksum(&file).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
@@ -49,7 +55,7 @@ impl CacheDir {
             return Err(CacheError::Corrupt(path));
         }
         file.rewind().map_err(io_err(&path))?;
-        Ok(file)
+        Ok(self.open_copies.keep(id, OpenCopy::new(file)))
     }
 
     /// Copies the source file `src`, opened and checked against the catalog by the caller,
@@ -70,6 +76,8 @@ impl CacheDir {
                     let _ = fs::remove_file(&tmp_path);
                     cache_err(e)
                 })?;
+                // A copy kept open from before (replaced by this one) is not served again.
+                self.open_copies.forget(file);
                 Ok(n)
             }
             Err(e) => {

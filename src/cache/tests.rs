@@ -244,8 +244,8 @@ fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
     stage(&cache, &catalog, id);
     let mut served = String::new();
-    let mut f = cache.open_verified(&catalog, id).unwrap();
-    f.read_to_string(&mut served).unwrap();
+    let copy = cache.open_verified(&catalog, id).unwrap();
+    copy.file().read_to_string(&mut served).unwrap();
     assert_eq!(served, "the dataset's bytes", "from the start of the file");
     assert_eq!(cache.reuse(&catalog), vec![(id, 19)]);
 
@@ -266,8 +266,10 @@ fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     let e = cache.open_verified(&catalog, id).unwrap_err();
     assert!(matches!(e, CacheError::NoChecksum(_)), "{e}");
 
-    // Not through a link, whatever it points to.
+    // Not through a link, whatever it points to. (The copy kept open from the last open is
+    // the genuine one, still served; let go of it so that only the name is left.)
     fs::remove_file(&path).unwrap();
+    cache.open_copies.forget(id);
     std::os::unix::fs::symlink(catalog.source_path(id), &path).unwrap();
     assert!(cache.open_verified(&catalog, id).is_err());
     assert!(cache.open_cached(&catalog, id).is_err());
@@ -290,4 +292,69 @@ fn open_empties_a_cache_of_another_non_utf8_source() {
     assert!(kept.exists(), "same source: files kept");
     drop(CacheDir::open(&root, &b).unwrap());
     assert!(!kept.exists(), "another source: emptied");
+}
+
+#[test]
+fn a_copy_is_opened_once_and_let_go_when_removed() {
+    let (tmp, catalog, id) = source_with(b"kept open");
+    let cache = CacheDir::open(&tmp.path().join("cache"), catalog.root_path()).unwrap();
+    stage(&cache, &catalog, id);
+    let first = cache.open_cached(&catalog, id).unwrap();
+    let again = cache.open_cached(&catalog, id).unwrap();
+    assert!(
+        Arc::ptr_eq(&first, &again),
+        "the second open shares the first"
+    );
+    assert_eq!(cache.open_copies.len(), 1);
+
+    cache.remove(&catalog, id);
+    assert_eq!(cache.open_copies.len(), 0, "its space must come back");
+    assert_eq!(first.file().metadata().unwrap().nlink(), 0);
+    let gone = cache.open_cached(&catalog, id).unwrap_err();
+    assert_eq!(gone.kind(), io::ErrorKind::NotFound);
+
+    // Staged again over a kept copy: the new copy is served, not the kept one.
+    stage(&cache, &catalog, id);
+    let kept = cache.open_cached(&catalog, id).unwrap();
+    stage(&cache, &catalog, id);
+    let restaged = cache.open_cached(&catalog, id).unwrap();
+    assert!(!Arc::ptr_eq(&kept, &restaged));
+    assert_eq!(restaged.file().metadata().unwrap().nlink(), 1);
+    assert_eq!(cache.open_copies.len(), 1);
+}
+
+#[test]
+fn a_copy_removed_while_being_opened_is_not_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("copy");
+    fs::write(&path, b"x").unwrap();
+    let opened = File::open(&path).unwrap();
+    // The removal unlinked and forgot it between this open and its keeping.
+    fs::remove_file(&path).unwrap();
+    let copies = OpenCopies::with_capacity(8);
+    copies.keep(3, OpenCopy::new(opened));
+    assert_eq!(copies.len(), 0);
+    assert!(copies.get(3).is_none());
+}
+
+#[test]
+fn a_full_table_keeps_no_more_and_keeps_what_it_has() {
+    let dir = tempfile::tempdir().unwrap();
+    let copies = OpenCopies::with_capacity(2);
+    let mut kept = Vec::new();
+    for id in 0..4 {
+        let path = dir.path().join(id.to_string());
+        fs::write(&path, b"x").unwrap();
+        kept.push(copies.keep(id, OpenCopy::new(File::open(&path).unwrap())));
+    }
+    assert_eq!(copies.len(), 2);
+    assert!(Arc::ptr_eq(&copies.get(0).unwrap(), &kept[0]));
+    assert!(Arc::ptr_eq(&copies.get(1).unwrap(), &kept[1]));
+    assert!(copies.get(2).is_none() && copies.get(3).is_none());
+    copies.forget(0);
+    copies.keep(3, OpenCopy::new(File::open(dir.path().join("3")).unwrap()));
+    assert!(
+        copies.get(3).is_some(),
+        "room made by a removal is used again"
+    );
 }

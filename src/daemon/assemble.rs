@@ -20,6 +20,7 @@ use crate::fs::{Caller, MountedDataset, StageFs, may_read_root};
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, SourceRoot, Stager, StagerSettings};
 use crate::stats::Counters;
+use crate::sys;
 
 /// Share of the cache file system kept free with [`Capacity::FreeSpace`]: room for whatever
 /// else the node writes there.
@@ -43,6 +44,8 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let (catalog, scanned) = load_catalog(config, &source, &cache_root)?;
     let catalog = Arc::new(catalog);
     let plan = build_plan(config, &catalog)?;
+    // Before the cache sizes its table of copies kept open by the limit.
+    sys::raise_descriptor_limit();
     let cache = CacheDir::open(&cache_root, &source)?;
     let settings = stager_settings(config, &cache)?;
     // Signals must be blocked before any long-lived thread exists so none of them takes a

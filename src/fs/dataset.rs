@@ -21,7 +21,7 @@ use super::opens::{OpenReply, Opens};
 use super::ops::OpCounts;
 use super::xattr::Probes;
 use crate::catalog::{Catalog, Entry, FileId, Kind};
-use crate::stager::{SourceRoot, Stager};
+use crate::stager::{Opened, SourceRoot, Stager};
 use crate::stats::{Counters, Snapshot};
 
 /// What the file system serves, and the rest of the daemon it reports to.
@@ -264,7 +264,8 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         let mut filled = 0;
         while filled < buf.len() {
             match handle
-                .file
+                .opened
+                .file()
                 .read_at(&mut buf[filled..], offset + filled as u64)
             {
                 Ok(0) => break,
@@ -279,9 +280,9 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         }
         // Checked after the read: a write moves the ctime, which no one can set back, so an
         // unchanged file now means these bytes are the catalogued version's.
-        if !handle.from_cache
+        if let Opened::Source(file) = &handle.opened
             && let Ok(entry) = self.entry(ino)
-            && !handle.file.metadata().is_ok_and(|m| entry.is_unchanged(&m))
+            && !file.metadata().is_ok_and(|m| entry.is_unchanged(&m))
         {
             log::warn!(
                 "{} changed on the source while open; the reader gets ESTALE (remount to see the new version)",

@@ -28,10 +28,9 @@ pub trait OpenReply: Send + 'static {
 }
 
 pub struct Handle<B> {
-    pub file: File,
-    /// False for a file read through from SOURCE: each read then checks it is still the
-    /// version catalogued, so a file changed in place while open is never served mixed.
-    pub from_cache: bool,
+    /// A file read through from SOURCE is checked at each read to be still the version
+    /// catalogued, so a file changed in place while open is never served mixed.
+    pub opened: Opened,
     /// Shared by the inode's passthrough handles: the kernel reads that file directly.
     backing: Option<Arc<B>>,
 }
@@ -81,7 +80,6 @@ impl<B: Send + Sync + 'static> Opens<B> {
 
     /// Grants a handle on `opened` for inode `ino` and answers `reply` with it.
     pub fn grant<R: OpenReply<Backing = B>>(&self, ino: u64, opened: Opened, reply: R) {
-        let Opened { file, from_cache } = opened;
         let fh = self.next_handle.fetch_add(1, Ordering::Relaxed);
         // Held until the reply is sent, so opens of one inode decide in turn.
         let mut inode = self.inodes.entry(ino).or_default();
@@ -89,9 +87,13 @@ impl<B: Send + Sync + 'static> Opens<B> {
             // Already open in passthrough: this open must be too, whether the stager found the
             // file cached or not (the backing file is the verified cached copy).
             Some(b.clone())
-        } else if inode.plain == 0 && from_cache && self.passthrough.load(Ordering::Relaxed) {
-            match reply.open_backing(&file) {
-                Ok(b) => Some(Arc::new(b)),
+        } else if let Opened::Cache(copy) = &opened
+            && inode.plain == 0
+            && self.passthrough.load(Ordering::Relaxed)
+        {
+            // Registered by the copy's first open, and kept with the copy for the next ones.
+            match copy.registration(|file| reply.open_backing(file)) {
+                Ok(b) => Some(b),
                 Err(e) => {
                     if self.passthrough.swap(false, Ordering::SeqCst) {
                         log::warn!(
@@ -113,14 +115,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
         }
         // Registered before the kernel learns the handle: its first read may come at once, on
         // another thread.
-        self.handles.insert(
-            fh,
-            Handle {
-                file,
-                from_cache,
-                backing,
-            },
-        );
+        self.handles.insert(fh, Handle { opened, backing });
         let handle = self.handles.get(&fh).expect("just inserted");
         reply.opened(fh, handle.backing.as_deref());
         drop(handle);
@@ -157,6 +152,7 @@ impl<B: Send + Sync + 'static> Opens<B> {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::cache::OpenCopy;
     use std::sync::mpsc;
 
     /// A backing file as a test sees it: which registration made it.
@@ -190,17 +186,39 @@ pub(super) mod tests {
         }
     }
 
-    /// Grants an open of `ino` on a fresh temporary file, as the stager would answer it.
+    /// Grants an open of `ino` on a fresh temporary file, as the stager would answer it;
+    /// registrations are numbered from `ino` * 100.
     fn grant(opens: &Opens<FakeBacking>, ino: u64, from_cache: bool, refuse: bool) -> Answer {
-        let (tx, rx) = mpsc::channel();
-        let next = Arc::new(AtomicU64::new(ino * 100));
         let file = tempfile::tempfile().unwrap();
+        let opened = if from_cache {
+            Opened::Cache(Arc::new(OpenCopy::new(file)))
+        } else {
+            Opened::Source(file)
+        };
+        grant_opened(
+            opens,
+            ino,
+            opened,
+            refuse,
+            &Arc::new(AtomicU64::new(ino * 100)),
+        )
+    }
+
+    /// Grants an open of `ino` on `opened`, numbering registrations from `next`.
+    fn grant_opened(
+        opens: &Opens<FakeBacking>,
+        ino: u64,
+        opened: Opened,
+        refuse: bool,
+        next: &Arc<AtomicU64>,
+    ) -> Answer {
+        let (tx, rx) = mpsc::channel();
         let reply = FakeReply {
             answer: tx,
             refuse_backing: refuse,
-            next,
+            next: next.clone(),
         };
-        opens.grant(ino, Opened { file, from_cache }, reply);
+        opens.grant(ino, opened, reply);
         rx.recv().unwrap()
     }
 
@@ -227,6 +245,29 @@ pub(super) mod tests {
         assert_eq!(grant(&opens, 6, true, false).unwrap().1, Some(600));
         opens.release(5, fh1);
         assert_eq!(grant(&opens, 5, false, false).unwrap().1, Some(500));
+    }
+
+    #[test]
+    fn a_copy_kept_open_is_registered_once_for_all_its_opens() {
+        let opens = passthrough_opens();
+        let registrations = Arc::new(AtomicU64::new(1));
+        let copy = Arc::new(OpenCopy::new(tempfile::tempfile().unwrap()));
+        let reopen = |opens: &Opens<FakeBacking>| {
+            let opened = Opened::Cache(copy.clone());
+            let (fh, backing) = grant_opened(opens, 7, opened, false, &registrations).unwrap();
+            opens.release(7, fh);
+            backing
+        };
+        assert_eq!(reopen(&opens), Some(1));
+        // Released in between, so the inode was no longer open: the copy's registration
+        // still serves, and no other is made.
+        assert_eq!(reopen(&opens), Some(1));
+        assert_eq!(reopen(&opens), Some(1));
+        assert_eq!(registrations.load(Ordering::SeqCst), 2);
+        // Another copy of the same file (staged again after an eviction) is registered anew.
+        let restaged = Opened::Cache(Arc::new(OpenCopy::new(tempfile::tempfile().unwrap())));
+        let (_, backing) = grant_opened(&opens, 7, restaged, false, &registrations).unwrap();
+        assert_eq!(backing, Some(2));
     }
 
     #[test]
@@ -264,7 +305,7 @@ pub(super) mod tests {
         let (fh, b) = grant(&opens, 4, true, true).unwrap();
         assert_eq!(b, None);
         assert!(!opens.passthrough.load(Ordering::SeqCst));
-        assert!(opens.get(fh).unwrap().from_cache);
+        assert!(matches!(opens.get(fh).unwrap().opened, Opened::Cache(_)));
         // Other inodes, and this one once released, are no longer offered to the kernel.
         assert_eq!(grant(&opens, 8, true, false).unwrap().1, None);
         opens.release(4, fh);

@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::cache::CacheDir;
+use crate::cache::{CacheDir, OpenCopy};
 use crate::catalog::{Catalog, FileId};
 use crate::order::SamplerKind;
 use crate::plan::{Plan, Position, Provenance, Tracker, TrackerMode, TrackerSettings};
@@ -68,9 +68,20 @@ pub struct StagerSettings {
 
 /// What an open is answered with: a file to read from, cache or SOURCE.
 #[derive(Debug)]
-pub struct Opened {
-    pub file: File,
-    pub from_cache: bool,
+pub enum Opened {
+    /// The cached copy, shared with other opens of it: read with positioned reads only.
+    Cache(Arc<OpenCopy>),
+    /// SOURCE's file, read through: each read must check it is still the version catalogued.
+    Source(File),
+}
+
+impl Opened {
+    pub fn file(&self) -> &File {
+        match self {
+            Opened::Cache(copy) => copy.file(),
+            Opened::Source(file) => file,
+        }
+    }
 }
 
 /// Why a reader's open fails: what the engine answers the FUSE layer, which gives the reader

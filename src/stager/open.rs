@@ -3,13 +3,13 @@
 //! SOURCE; and feeding each open to the tracker, which moves the cursor, the eviction keys
 //! and the frontier. Kept apart from the copy workers, which answer the waiting readers.
 
-use std::fs::File;
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::MutexGuard;
 
 use super::{Answer, Deferred, FileState, Inner, OpenCallback, OpenResult, Opened, State, source};
+use crate::cache::OpenCopy;
 use crate::catalog::FileId;
 use crate::plan::TrackerMode;
 use crate::stats::Counters;
@@ -25,10 +25,7 @@ impl Inner {
                 Answer::Done(result) => result,
                 Answer::FromCache(file) => self
                     .open_cached(file)
-                    .map(|f| Opened {
-                        file: f,
-                        from_cache: true,
-                    })
+                    .map(Opened::Cache)
                     .or_else(|_| self.open_source(file)),
                 Answer::FromSource(file) => self.open_source(file),
             });
@@ -36,25 +33,19 @@ impl Inner {
     }
 
     /// Answers an open with its cache file.
-    fn reply_hit(&self, reply: OpenCallback, file: File) {
+    fn reply_hit(&self, reply: OpenCallback, copy: Arc<OpenCopy>) {
         Counters::add(&self.counters.hits, 1);
-        reply(Ok(Opened {
-            file,
-            from_cache: true,
-        }));
+        reply(Ok(Opened::Cache(copy)));
     }
 
-    fn open_cached(&self, file: FileId) -> std::io::Result<File> {
+    fn open_cached(&self, file: FileId) -> std::io::Result<Arc<OpenCopy>> {
         self.cache.open_cached(&self.catalog, file)
     }
 
     /// Opens `file` on SOURCE for a reader (read-through, or no room to stage it).
     fn open_source(&self, file: FileId) -> OpenResult {
         match source::open_verified(&*self.source, &self.catalog, file) {
-            Ok(f) => Ok(Opened {
-                file: f,
-                from_cache: false,
-            }),
+            Ok(f) => Ok(Opened::Source(f)),
             Err(e) => {
                 log::warn!("{e}");
                 Err(e.open_error())

@@ -2,7 +2,7 @@
 //! stager threads, and simulated readers that open files the way DataLoader workers do.
 
 use std::collections::HashMap;
-use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc;
@@ -224,10 +224,7 @@ impl Harness {
             .recv_timeout(Duration::from_secs(60))
             .expect("open answered")
             .map_err(OpenError::errno)?;
-        let mut buf = Vec::new();
-        let mut f = opened.file;
-        f.read_to_end(&mut buf).unwrap();
-        Ok(buf)
+        Ok(read_whole(opened.file()))
     }
 
     fn size_of(&self, file: FileId) -> usize {
@@ -357,6 +354,20 @@ fn a_cache_of_30_percent_reads_each_file_once_per_epoch_with_little_waste() {
         "the cache was too small to keep everything"
     );
     assert_eq!(gauges.mispredictions, 0);
+    // Copies are kept open between opens; an evicted one must not be, or its disk space
+    // would outlive it and the bound would hold only on paper.
+    let cache = h.dir.path().join("cache");
+    let held: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|fd| std::fs::read_link(fd.unwrap().path()).ok())
+        .filter(|target| target.starts_with(&cache))
+        .collect();
+    assert!(!held.is_empty(), "hits are kept open");
+    let removed: Vec<_> = held
+        .iter()
+        .filter(|t| t.to_string_lossy().ends_with(" (deleted)"))
+        .collect();
+    assert!(removed.is_empty(), "evicted copies still open: {removed:?}");
 }
 
 #[test]
@@ -1123,4 +1134,18 @@ fn auto_tells_a_reseeding_sampler_from_a_continuing_one_in_the_second_epoch() {
     );
     let last = g.prediction_quality_by_epoch.last().unwrap();
     assert_eq!((last.epoch, last.predicted), (2, 2_000), "{g:?}");
+}
+
+/// The whole of `file` by positioned reads, as the FUSE layer serves it (a cached copy's
+/// descriptor is shared by its opens, so its offset is nobody's).
+fn read_whole(file: &File) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let n = file.read_at(&mut chunk, buf.len() as u64).unwrap();
+        if n == 0 {
+            return buf;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
 }
