@@ -165,3 +165,134 @@ fn a_closed_pipe_ends_stats_watch_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     m.unmount();
 }
+
+/// A FUSE server that answers INIT and then reads every request without ever answering: a
+/// daemon stopped just after it read a request (SIGSTOP lands asynchronously), the one state
+/// where a caller's wait cannot be ended by any signal, even SIGKILL.
+struct SilentServer {
+    mnt: std::path::PathBuf,
+    device: Option<std::fs::File>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SilentServer {
+    fn mount(mnt: &Path) -> SilentServer {
+        require_fuse();
+        let device = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/fuse")
+            .expect("/dev/fuse");
+        use std::os::fd::AsRawFd;
+        let options = format!(
+            "fd={},rootmode=40000,user_id=0,group_id=0",
+            device.as_raw_fd()
+        );
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let target = c(mnt.to_str().unwrap());
+        let (source, fstype, data) = (c("silent"), c("fuse"), c(&options));
+        // SAFETY: valid C strings; the kernel reads the options.
+        let mounted = unsafe {
+            libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                data.as_ptr().cast(),
+            )
+        };
+        assert_eq!(mounted, 0, "mount: {}", std::io::Error::last_os_error());
+        let mut requests = device.try_clone().unwrap();
+        let reader = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let mut buf = vec![0u8; 1 << 20];
+            let mut first = true;
+            // Ends when the connection is aborted (the device is closed): ENODEV.
+            while let Ok(n) = requests.read(&mut buf) {
+                if !first || n < 40 {
+                    continue; // never answered
+                }
+                first = false;
+                let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap());
+                // fuse_out_header, then fuse_init_out: 7.31, nothing offered.
+                let mut reply = Vec::new();
+                reply.extend_from_slice(&(16u32 + 64).to_ne_bytes());
+                reply.extend_from_slice(&0i32.to_ne_bytes());
+                reply.extend_from_slice(&unique.to_ne_bytes());
+                let mut init = [0u8; 64];
+                init[0..4].copy_from_slice(&7u32.to_ne_bytes());
+                init[4..8].copy_from_slice(&31u32.to_ne_bytes());
+                init[20..24].copy_from_slice(&4096u32.to_ne_bytes()); // max_write
+                init[24..28].copy_from_slice(&1u32.to_ne_bytes()); // time_gran
+                reply.extend_from_slice(&init);
+                requests.write_all(&reply).unwrap();
+            }
+        });
+        SilentServer {
+            mnt: mnt.to_path_buf(),
+            device: Some(device),
+            reader: Some(reader),
+        }
+    }
+}
+
+impl Drop for SilentServer {
+    fn drop(&mut self) {
+        // `stagefs unmount` aborted the connection, which ended the reader's read (ENODEV);
+        // if it did not, the reader is left blocked rather than this test.
+        drop(self.device.take());
+        let c = std::ffi::CString::new(self.mnt.to_str().unwrap()).unwrap();
+        // SAFETY: valid C string.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        if let Some(reader) = self.reader.take()
+            && reader.is_finished()
+        {
+            let _ = reader.join();
+        }
+    }
+}
+
+#[test]
+fn stats_and_unmount_return_when_the_daemon_holds_the_request() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let server = SilentServer::mount(&mnt);
+    for args in [&["stats"][..], &["stats", "--json"], &["unmount"]] {
+        let started = Instant::now();
+        let mut child = Command::new(bin())
+            .args(args)
+            .arg(&mnt)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            // A process that cannot exit shows as one that never ends: fail, do not hang.
+            assert!(
+                started.elapsed() < BOUND,
+                "stagefs {args:?} did not end within {BOUND:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        if args[0] == "stats" {
+            assert_eq!(status.code(), Some(1), "{args:?}: {stderr}");
+            assert!(stderr.contains("did not answer"), "{stderr}");
+        } else {
+            assert!(status.success(), "{args:?}: {stderr}");
+            assert!(stderr.contains("aborted its FUSE connection"), "{stderr}");
+        }
+    }
+    assert!(!is_mounted(&mnt), "still mounted");
+    drop(server);
+}

@@ -78,8 +78,7 @@ pub(super) enum XattrError {
 /// Attribute `name` of `path`, or why not. Bounded by [`ANSWER_WAIT`]: a stopped daemon's
 /// mount would block getxattr forever.
 pub(super) fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, XattrError> {
-    let (p, n) = (path.to_path_buf(), name.to_string());
-    let Some(answer) = mounts::bounded(ANSWER_WAIT, move || getxattr(&p, &n)) else {
+    let Some(answer) = mounts::bounded_getxattr(path, name, ANSWER_WAIT) else {
         return Err(XattrError::NoAnswer(path.to_path_buf()));
     };
     answer.map_err(|e| match e.raw_os_error() {
@@ -90,21 +89,6 @@ pub(super) fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, XattrError>
             source: e,
         },
     })
-}
-
-/// getxattr(2), unbounded: it blocks as long as the daemon of the mount does.
-pub fn getxattr(path: &Path, name: &str) -> std::io::Result<Vec<u8>> {
-    let p = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    let n = CString::new(name).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    let mut buf = vec![0u8; 64 * 1024];
-    // SAFETY: valid C strings and a buffer of the stated length.
-    let len = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if len < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    buf.truncate(len as usize);
-    Ok(buf)
 }
 
 /// Every directory and file of a mount answers `user.stagefs.state`.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
 
-use super::stats_cmd::{ANSWER_WAIT, getxattr};
+use super::stats_cmd::ANSWER_WAIT;
 use crate::daemon::mounts::{self, FUSERMOUNT, HelperError, MountEntry};
 
 /// How long to wait for the kernel to drop the mount after asking.
@@ -28,8 +28,7 @@ pub fn run(args: UnmountArgs) -> anyhow::Result<()> {
     };
     // The daemon's pid, to wait for it to exit so its cache is free for the next mount. A dead
     // daemon's mount answers ENOTCONN at once; a stopped or wedged one not at all.
-    let path = mp.clone();
-    let answer = mounts::bounded(ANSWER_WAIT, move || getxattr(&path, crate::fs::PID_XATTR));
+    let answer = mounts::bounded_getxattr(&mp, crate::fs::PID_XATTR, ANSWER_WAIT);
     let Some(answer) = answer else {
         return force(
             &mp,

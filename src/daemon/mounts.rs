@@ -8,10 +8,12 @@
 
 use std::ffi::CString;
 use std::fs;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One line of /proc/self/mountinfo: what identifies a mount and where it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,6 +134,142 @@ pub fn bounded<T: Send + 'static>(
         })
         .ok()?;
     rx.recv_timeout(limit).ok()
+}
+
+/// The largest attribute value [`bounded_getxattr`] reads (statistics are a few KiB).
+const XATTR_MAX: usize = 64 * 1024;
+
+/// getxattr(2) of `path`'s attribute `name`, made by a child process and waited for at most
+/// `limit`; None if it did not answer in time. A process, not a thread: a daemon stopped just
+/// after it read the request (SIGSTOP arrives asynchronously) leaves the call in an
+/// uninterruptible wait that no signal ends, and a thread in it would keep this whole process
+/// from exiting. The child is left behind, blocked until the daemon resumes or its connection
+/// is aborted (`stagefs unmount`).
+pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::Result<Vec<u8>>> {
+    let invalid = || Some(Err(io::Error::from_raw_os_error(libc::EINVAL)));
+    let Ok(c_path) = crate::sys::c_path(path) else {
+        return invalid();
+    };
+    let Ok(c_name) = CString::new(name) else {
+        return invalid();
+    };
+    // Everything the child touches is made before the fork: after it, only system calls.
+    let mut value = vec![0u8; XATTR_MAX];
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array we own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Some(Err(io::Error::last_os_error()));
+    }
+    // SAFETY: from here on the child only makes async-signal-safe calls on memory prepared
+    // above (getxattr, write, _exit), so forking a multi-threaded process is sound.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        // SAFETY: system calls only (close_range, getxattr, write, _exit), on the C strings
+        // and buffers made before the fork.
+        unsafe {
+            // Nothing inherited stays open but the answer's pipe: a child left blocked must not
+            // hold the caller's stdout or stderr (a `stagefs stats | ...` pipeline would not end).
+            let keep = fds[1] as libc::c_uint;
+            if keep > 0 {
+                libc::syscall(libc::SYS_close_range, 0 as libc::c_uint, keep - 1, 0);
+            }
+            libc::syscall(libc::SYS_close_range, keep + 1, libc::c_uint::MAX, 0);
+            let len = libc::getxattr(
+                c_path.as_ptr(),
+                c_name.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            );
+            let errno = if len < 0 {
+                *libc::__errno_location()
+            } else {
+                0
+            };
+            let header = [len as i64, errno as i64];
+            write_all_raw(
+                fds[1],
+                header.as_ptr().cast(),
+                std::mem::size_of_val(&header),
+            );
+            if len > 0 {
+                write_all_raw(fds[1], value.as_ptr(), len as usize);
+            }
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: both descriptors are ours; the parent only reads.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(write_end);
+    if child < 0 {
+        return Some(Err(io::Error::last_os_error()));
+    }
+    let answer = read_until(read_end, Instant::now() + limit)?;
+    // It has written everything, so it is exiting: reap it.
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
+    if answer.len() < 16 {
+        return Some(Err(io::Error::from_raw_os_error(libc::EIO)));
+    }
+    let len = i64::from_ne_bytes(answer[..8].try_into().expect("8 bytes"));
+    let errno = i64::from_ne_bytes(answer[8..16].try_into().expect("8 bytes"));
+    if len < 0 {
+        return Some(Err(io::Error::from_raw_os_error(errno as i32)));
+    }
+    Some(Ok(answer[16..].to_vec()))
+}
+
+/// Writes `len` bytes at `buf` to `fd`, using system calls only (for a forked child).
+///
+/// # Safety
+/// `buf` must be valid for `len` bytes.
+unsafe fn write_all_raw(fd: i32, mut buf: *const u8, mut len: usize) {
+    while len > 0 {
+        // SAFETY: the caller vouches for the buffer.
+        let n = unsafe { libc::write(fd, buf.cast(), len) };
+        if n <= 0 {
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        // SAFETY: n <= len bytes were written from the buffer.
+        buf = unsafe { buf.add(n as usize) };
+        len -= n as usize;
+    }
+}
+
+/// Everything written to `pipe` until its writer closes it, or None at `deadline`.
+fn read_until(pipe: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
+    let mut file = fs::File::from(pipe);
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut poll = libc::pollfd {
+            fd: file.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let millis = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one pollfd we own.
+        let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+        if ready == 0 {
+            return None;
+        }
+        if ready < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return None;
+        }
+        match file.read(&mut chunk) {
+            Ok(0) => return Some(answer),
+            Ok(n) => answer.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Some(answer),
+        }
+    }
 }
 
 /// Where the kernel lists FUSE connections (the fusectl file system).
