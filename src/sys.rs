@@ -22,33 +22,31 @@ pub fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// How many descriptors the process may open (the soft limit).
-pub fn descriptor_limit() -> usize {
+/// The process's descriptor limits (RLIMIT_NOFILE), if they can be read.
+fn descriptor_limits() -> Option<libc::rlimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes into the struct we own.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return 1024;
-    }
-    usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit)
+}
+
+/// How many descriptors the process may open (the soft limit; 1024, Linux's default, if it
+/// cannot be read).
+pub fn descriptor_limit() -> usize {
+    descriptor_limits().map_or(1024, |l| usize::try_from(l.rlim_cur).unwrap_or(usize::MAX))
 }
 
 /// Raises the soft descriptor limit to the hard one, as far as the daemon needs: it keeps
 /// cached copies open between opens (the default soft limit, often 1024, would keep few).
 pub fn raise_descriptor_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit on a struct we own; a refusal leaves the limit as it was.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
-        {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
+    if let Some(mut limit) = descriptor_limits()
+        && limit.rlim_cur < limit.rlim_max
+    {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: setrlimit reads the struct we own; a refusal leaves the limit as it was.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
     }
 }
 

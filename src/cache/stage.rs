@@ -37,14 +37,13 @@ impl CacheDir {
         catalog: &Catalog,
         file: FileId,
     ) -> Result<Arc<OpenCopy>, CacheError> {
-        let id = file;
         let path = self.path_for(catalog, file);
-        let mut file = open_nofollow(&path).map_err(io_err(&path))?;
-        let recorded = read_checksum(&file).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
+        let mut copy = open_nofollow(&path).map_err(io_err(&path))?;
+        let recorded = read_checksum(&copy).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
         let mut hasher = Xxh3::new();
         let mut buf = vec![0u8; COPY_BUFFER];
         loop {
-            match file.read(&mut buf) {
+            match copy.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => hasher.update(&buf[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -54,8 +53,8 @@ impl CacheDir {
         if hasher.digest128() != recorded {
             return Err(CacheError::Corrupt(path));
         }
-        file.rewind().map_err(io_err(&path))?;
-        Ok(self.open_copies.keep(id, OpenCopy::new(file)))
+        copy.rewind().map_err(io_err(&path))?;
+        Ok(self.open_copies.keep(file, OpenCopy::new(copy)))
     }
 
     /// Copies the source file `src`, opened and checked against the catalog by the caller,

@@ -204,7 +204,7 @@ pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::
     if child < 0 {
         return Some(Err(io::Error::last_os_error()));
     }
-    let answer = read_until(read_end, Instant::now() + limit)?;
+    let mut answer = read_until(read_end, Instant::now() + limit)?;
     // It has written everything, so it is exiting: reap it.
     // SAFETY: waiting for our own child.
     unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
@@ -216,7 +216,7 @@ pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::
     if len < 0 {
         return Some(Err(io::Error::from_raw_os_error(errno as i32)));
     }
-    Some(Ok(answer[16..].to_vec()))
+    Some(Ok(answer.split_off(16)))
 }
 
 /// Writes `len` bytes at `buf` to `fd`, using system calls only (for a forked child).
