@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What each open of a cached file costs through the mount (run by hand as root, not in CI).
 
-Usage: tests/bench/open_bench.py [--files N] [--readers 1,2,8] [--binary PATH]
+Usage: tests/bench/open_bench.py [--files N] [--readers 1,2,8] [--binary PATH] [--probe PATH]
 
 A synthetic ImageFolder of ~110 KB files on local disk is mounted and staged completely; then
 each measurement reads every file once (open, read to the end, close), alternating between the
@@ -14,6 +14,13 @@ source directory ("direct") and the mount, median of three rounds:
   memory), with several reader threads;
 - pinned: the Python loop with the reader and the daemon on one CPU, then on different CPUs,
   which shows how much of a round trip is waking an idle CPU.
+
+With `--probe target/release/examples/open_cost`, the source directory is also mounted through
+that bare FUSE server twice, and every row gains its two columns: `probe 1 OPEN` (an OPEN
+answered with passthrough and nothing else: the floor of a hit path that sees every open) and
+`probe 0 OPEN` (OPEN answered ENOSYS: the kernel sends no OPEN or RELEASE again and keeps the
+page cache; only a cold page's READ and Python's IOCTL still reach the daemon). Each mount's
+request counts are printed at the end.
 """
 import argparse
 import os
@@ -55,23 +62,27 @@ def timed(reader, paths, threads):
     return (time.monotonic() - start) * 1e6 / len(paths)
 
 
-def compare(rel, source, mnt, reader, threads, cold):
-    """(direct, mount) median microseconds per file over three alternating rounds."""
-    results = {"direct": [], "mount": []}
+def compare(rel, roots, reader, threads, cold):
+    """{name: median microseconds per file} over three rounds alternating between `roots`."""
+    results = {name: [] for name in roots}
     for _ in range(3):
-        for name, root in (("direct", source), ("mount", mnt)):
+        for name, root in roots.items():
             paths = [os.path.join(root, p) for p in rel]
             if cold:
                 drop_caches()
             else:
                 timed(reader, paths, threads)
             results[name].append(timed(reader, paths, threads))
-    return statistics.median(results["direct"]), statistics.median(results["mount"])
+    return {name: statistics.median(times) for name, times in results.items()}
 
 
-def report(label, direct, mount):
-    print("%-44s direct %7.1f us  mount %7.1f us  +%6.1f us/file  ratio %.3f" % (
-        label, direct, mount, mount - direct, direct / mount), flush=True)
+def report(label, times):
+    direct = times["direct"]
+    columns = ["direct %7.1f us" % direct]
+    for name, mount in times.items():
+        if name != "direct":
+            columns.append("%s %7.1f us (+%6.1f, ratio %.3f)" % (name, mount, mount - direct, direct / mount))
+    print("%-30s %s" % (label, "  ".join(columns)), flush=True)
 
 
 def pinned(rel, mnt, daemon_pid, reader_cpu, daemon_cpu):
@@ -95,6 +106,7 @@ def main():
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--readers", default="1,2,8")
     ap.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "../../target/release/stagefs"))
+    ap.add_argument("--probe", help="examples/open_cost binary: also measure a bare FUSE server with 1 and 0 OPEN round trips")
     args = ap.parse_args()
     binary = os.path.abspath(args.binary)
     work = tempfile.mkdtemp(prefix="stagefs-open.", dir="/var/tmp")
@@ -102,6 +114,18 @@ def main():
     os.makedirs(mnt)
     make_dataset(source, args.files)
     subprocess.run([binary, "mount", source, mnt, "--cache", cache], check=True)
+    roots = {"direct": source, "stagefs": mnt}
+    probes = []
+    if args.probe:
+        for name, mode in (("probe 1 OPEN", "passthrough"), ("probe 0 OPEN", "no-open")):
+            root = os.path.join(work, mode)
+            os.makedirs(root)
+            probes.append((name, root, subprocess.Popen([os.path.abspath(args.probe), source, root, mode],
+                                                         stdout=subprocess.PIPE, text=True)))
+            roots[name] = root
+        deadline = time.monotonic() + 10
+        while not all(os.path.ismount(r) for _, r, _ in probes) and time.monotonic() < deadline:
+            time.sleep(0.05)
     try:
         rel = subprocess.run([binary, "order", "--source", source, "--paths"], check=True,
                              capture_output=True, text=True).stdout.split()
@@ -115,7 +139,7 @@ def main():
                 for name, reader in (("os.open", syscall_reader), ("Python open", python_reader)):
                     label = "%s, %s, %d reader%s" % (name, "cold" if cold else "warm", threads,
                                                       "" if threads == 1 else "s")
-                    report(label, *compare(rel, source, mnt, reader, threads, cold))
+                    report(label, compare(rel, roots, reader, threads, cold))
         if os.cpu_count() >= 2:
             pid = int(subprocess.run(["pgrep", "-f", "stagefs mount %s " % source], check=True,
                                      capture_output=True, text=True).stdout.split()[0])
@@ -124,6 +148,9 @@ def main():
             print("Python open, warm, reader and daemon on one CPU: %.1f us/file; on two: %.1f us/file"
                   % (same, other), flush=True)
     finally:
+        for name, root, probe in probes:
+            probe.terminate()
+            print("%s: %s" % (name, probe.communicate()[0].strip()), flush=True)
         subprocess.run([binary, "unmount", mnt], check=False)
         shutil.rmtree(work, ignore_errors=True)
 
