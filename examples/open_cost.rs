@@ -313,13 +313,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.clone_fd = true;
     // Blocked before the FUSE threads start, so they inherit the mask and the signal waits
     // for sigwait here instead of ending the process before the counts are printed.
-    let mut signals = sigset(&[libc::SIGINT, libc::SIGTERM]);
+    let signals = sigset(&[libc::SIGINT, libc::SIGTERM]);
     // SAFETY: a valid, initialized signal set.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
     let session = fuser::spawn_mount(probe, Path::new(mountpoint), &config)?;
     let mut signal = 0;
     // SAFETY: the same set, and an out pointer owned here.
-    unsafe { libc::sigwait(&mut signals, &mut signal) };
+    unsafe { libc::sigwait(&signals, &mut signal) };
     drop(session);
     let c = &counts;
     println!(
