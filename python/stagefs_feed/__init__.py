@@ -162,12 +162,32 @@ class _AnnouncingIterator:
             if length < _followed.get(mountpoint, 0):
                 return
             _followed[mountpoint] = length
-        drawn = list(itertools.islice(self._it, length))
-        self._it = itertools.chain(drawn, self._it)
+        drawn = list(itertools.islice(self._it, max(length - 1, 0)))
+        # Reaching the last item can end the sampler's loop, and a sampler may draw there:
+        # RandomSampler's remainder randperm, which a batch sampler's partial last batch
+        # reaches. Without the hook that draw happens only if the job asks for the last item
+        # (not after a peek or a break), so once announced (the look-ahead goes on from the
+        # epoch's end) the sampler's generators are put back, and set to where that draw
+        # leaves them when the job asks.
+        generators = _generators(sampler)
+        before = [g.get_state() for g in generators]
+        last = list(itertools.islice(self._it, min(length, 1)))
+        after = [g.get_state() for g in generators]
+        drawn += last
         try:
             _announce(target, self._loader, sampler, drawn)
         except Exception as e:
             _warn(("announce", type(e).__name__), f"cannot announce the order to stagefs: {e}")
+        for gen, state in zip(generators, before):
+            gen.set_state(state)
+        self._it = itertools.chain(drawn[:-1], _after_states(generators, after, last), self._it)
+
+
+def _after_states(generators, states, items):
+    """Yields `items` once `generators` are set to `states` (when the job asks for them)."""
+    for gen, state in zip(generators, states):
+        gen.set_state(state)
+    yield from items
 
 
 def _flatten(drawn, batched):

@@ -132,6 +132,9 @@ pub enum CopyError {
     NoSpace,
     #[error("writing the cache: {0}")]
     Cache(io::Error),
+    /// Given up because the mount is stopping.
+    #[error("stopped: the mount is shutting down")]
+    Stopped,
 }
 
 pub struct CacheDir {
@@ -302,6 +305,20 @@ impl CacheDir {
     /// Bytes the cache's file system can still take, and its total size.
     pub fn filesystem_space(&self) -> io::Result<(u64, u64)> {
         filesystem_space(&self.root)
+    }
+
+    /// Bytes of the copies under `data/` now, before [`CacheDir::reuse`] keeps or deletes
+    /// them: room the cache already has on top of the file system's free space.
+    pub fn held_bytes(&self) -> u64 {
+        fs::read_dir(&self.data)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|sub| fs::read_dir(sub.path()).into_iter().flatten().flatten())
+            .filter_map(|f| f.metadata().ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.len())
+            .sum()
     }
 }
 

@@ -9,7 +9,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -58,8 +58,16 @@ impl CacheDir {
     }
 
     /// Copies the source file `src`, opened and checked against the catalog by the caller,
-    /// into the cache as the complete, verified copy of catalog file `file`.
-    pub fn stage(&self, mut src: File, catalog: &Catalog, file: FileId) -> Result<u64, CopyError> {
+    /// into the cache as the complete, verified copy of catalog file `file`. Setting `stop`
+    /// ends the copy at its next chunk ([`CopyError::Stopped`], nothing left behind): a mount
+    /// being unmounted must not keep copying large files from a slow source for minutes.
+    pub fn stage(
+        &self,
+        mut src: File,
+        catalog: &Catalog,
+        file: FileId,
+        stop: &AtomicBool,
+    ) -> Result<u64, CopyError> {
         let source = &catalog.source_path(file);
         let entry = catalog.entry(file).expect("a catalog file");
         let tmp_path = self.tmp.join(format!(
@@ -67,7 +75,7 @@ impl CacheDir {
             std::process::id(),
             self.temp_seq.fetch_add(1, Ordering::Relaxed)
         ));
-        let result = self.copy_to_temp(&mut src, source, &tmp_path, entry);
+        let result = self.copy_to_temp(&mut src, source, &tmp_path, entry, stop);
         match result {
             Ok(n) => {
                 let dest = self.path_for(catalog, file);
@@ -92,6 +100,7 @@ impl CacheDir {
         source: &Path,
         tmp_path: &Path,
         entry: &Entry,
+        stop: &AtomicBool,
     ) -> Result<u64, CopyError> {
         let src_err = source_err(source);
         let mut out = OpenOptions::new()
@@ -105,6 +114,9 @@ impl CacheDir {
         // Hashed as copied, from the very bytes written: no second read of either file.
         let mut hasher = Xxh3::new();
         loop {
+            if stop.load(Ordering::Relaxed) {
+                return Err(CopyError::Stopped);
+            }
             let n = match src.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => n,

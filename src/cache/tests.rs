@@ -233,8 +233,21 @@ fn source_with(content: &[u8]) -> (tempfile::TempDir, Catalog, FileId) {
 fn stage(cache: &CacheDir, catalog: &Catalog, id: FileId) {
     let path = catalog.source_path(id);
     cache
-        .stage(File::open(&path).unwrap(), catalog, id)
+        .stage(File::open(&path).unwrap(), catalog, id, &AtomicBool::new(false))
         .unwrap();
+}
+
+#[test]
+fn a_stopped_copy_leaves_nothing_behind() {
+    let (tmp, catalog, id) = source_with(b"the dataset's bytes");
+    let root = tmp.path().join("cache");
+    let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
+    let src = File::open(catalog.source_path(id)).unwrap();
+    let result = cache.stage(src, &catalog, id, &AtomicBool::new(true));
+    assert!(matches!(result, Err(CopyError::Stopped)), "{result:?}");
+    assert!(cache.open_cached(&catalog, id).is_err(), "no copy");
+    let left: Vec<_> = fs::read_dir(root.join("stagefs/tmp")).unwrap().collect();
+    assert!(left.is_empty(), "no temporary copy: {left:?}");
 }
 
 #[test]

@@ -24,7 +24,7 @@ pub struct MountArgs {
     /// Node-local directory for staged files (created, private 0700)
     #[arg(long, value_name = "DIR", help_heading = "Cache")]
     pub cache: PathBuf,
-    /// Most the cache may hold, e.g. 200G, 500M [default: free space of the cache's file system minus 10% of its size]
+    /// Most the cache may hold, e.g. 200G, 500M [default: the cache file system's free space plus what the cache holds, minus 10% of its size]
     #[arg(long, value_name = "SIZE", help_heading = "Cache")]
     pub cache_size: Option<String>,
 

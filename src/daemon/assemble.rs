@@ -232,7 +232,9 @@ fn stager_settings(config: &MountConfig, cache: &CacheDir) -> Result<StagerSetti
                     path: config.cache.clone(),
                     source: e,
                 })?;
-            free.saturating_sub((total as f64 * FREE_SHARE) as u64)
+            // What a previous mount left counts as room: it is this cache's to keep or replace,
+            // so a remount does not shrink the cache and evict what it just found.
+            (free + cache.held_bytes()).saturating_sub((total as f64 * FREE_SHARE) as u64)
         }
     };
     // The stager takes both limits; the one not given is unlimited.

@@ -21,8 +21,8 @@ pub enum Lookahead {
 pub enum Capacity {
     /// Exactly this many bytes.
     Bytes(u64),
-    /// The cache file system's free space at mount time minus 10% of its size, so the node
-    /// keeps room for everything else written there.
+    /// The cache file system's free space at mount time, plus what the cache already holds,
+    /// minus 10% of its size, so the node keeps room for everything else written there.
     #[default]
     FreeSpace,
 }

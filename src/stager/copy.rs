@@ -66,7 +66,7 @@ impl Inner {
         let mut attempt = 0;
         loop {
             let staged = match source::open_verified(&*self.source, &self.catalog, file) {
-                Ok(f) => self.cache.stage(f, &self.catalog, file),
+                Ok(f) => self.cache.stage(f, &self.catalog, file, &self.shutdown),
                 Err(SourceError::Changed {
                     path,
                     error: OpenError::Gone,
@@ -151,6 +151,11 @@ impl Inner {
                     self.evict(st, victim);
                     st.space.capacity = st.space.capacity.saturating_sub(self.size_of(victim));
                 }
+                Then::Source
+            }
+            // Unmounting: nobody waits for it any more, and the file is as if never staged.
+            Err(CopyError::Stopped) => {
+                st.files.set(file, FileState::Remote);
                 Then::Source
             }
             Err(CopyError::Cache(e)) => {

@@ -1,7 +1,7 @@
 """Checks the feed hook's look-ahead against the real torch, without a mount: for each sampler
 whose next epoch the hook announces ahead, that announcement must equal what the next epoch
-then really draws, and the job must draw exactly what it draws without the hook. Exits
-non-zero with the first difference.
+then really draws, and the job must draw exactly what it draws without the hook, also when
+it stops an epoch early (a peek, a break). Exits non-zero with the first difference.
 
     PYTHONPATH=python python3 tests/e2e/hook_lookahead.py
 """
@@ -61,19 +61,35 @@ def loaders():
     yield "DistributedSampler with set_epoch", distributed, "set_epoch"
 
 
-def run(make, hook, epochs=3, epoch_hook=None):
+# How a job may leave an epoch unfinished: a look at one batch before training, or a break
+# partway through the first epoch. Either way the sampler never reaches its end there.
+INTERRUPTIONS = (None, "peek", "break")
+
+
+def run(make, hook, epochs=3, epoch_hook=None, interruption=None):
     torch.manual_seed(11)
     loader = make()
+    if interruption == "peek":
+        next(iter(loader))
     order = []
     for epoch in range(epochs):
         if epoch_hook:
             loader.sampler.set_epoch(epoch)
-        order.append([int(i) for batch in loader for i in batch[0]])
+        indices = []
+        for k, batch in enumerate(loader):
+            if interruption == "break" and epoch == 0 and k == 2:
+                break
+            indices += [int(i) for i in batch[0]]
+        order.append(indices)
     return order, torch.rand(2).tolist()
 
 
 def main():
-    plain = {name: run(make, False, epoch_hook=eh) for name, make, eh in loaders()}
+    plain = {
+        (name, i): run(make, False, epoch_hook=eh, interruption=i)
+        for name, make, eh in loaders()
+        for i in INTERRUPTIONS
+    }
     stagefs_feed._target_of = fake_target
     stagefs_feed._channels["/fake"] = FakeChannel()
     stagefs_feed.install()
@@ -82,8 +98,17 @@ def main():
         sent.clear()
         stagefs_feed._epochs.clear()
         stagefs_feed._followed.clear()
+        for interruption in INTERRUPTIONS[1:]:
+            stagefs_feed._followed.clear()
+            drawn = run(make, True, epoch_hook=epoch_hook, interruption=interruption)
+            if drawn != plain[(name, interruption)]:
+                print(f"{name}, {interruption}: the hook changed what the job drew", file=sys.stderr)
+                failures += 1
+        sent.clear()
+        stagefs_feed._epochs.clear()
+        stagefs_feed._followed.clear()
         order, after = run(make, True, epoch_hook=epoch_hook)
-        if (order, after) != plain[name]:
+        if (order, after) != plain[(name, None)]:
             print(f"{name}: the hook changed what the job drew", file=sys.stderr)
             failures += 1
             continue
