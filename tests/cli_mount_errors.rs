@@ -195,6 +195,40 @@ fn mountpoint_inside_source() {
 }
 
 #[test]
+fn mountpoint_not_empty() {
+    let paths = |s: &Setup| {
+        fs::write(s.mnt.join("notes.txt"), b"mine").unwrap();
+        standard(s)
+    };
+    refuse(paths, &[], &["mountpoint", "is not empty", "would hide its files"]);
+}
+
+/// The cache inside SOURCE, named through a bind mount of SOURCE: the same directory under
+/// another name is still SOURCE.
+#[test]
+fn cache_inside_source_through_a_bind_mount() {
+    require_fuse();
+    let s = setup();
+    let alias = s.work.path().join("alias");
+    fs::create_dir(&alias).unwrap();
+    let bound = Command::new("mount")
+        .arg("--bind")
+        .args([&s.src, &alias])
+        .status()
+        .unwrap();
+    assert!(bound.success(), "mount --bind");
+    let mut cmd = Command::new(bin());
+    cmd.args(mount_args(&s.src, &s.mnt, &alias.join("cache"), &[]));
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        assert_refused(&s, &s.mnt, &mut cmd, &["cache", "source", "overlap"])
+    }));
+    let _ = Command::new("umount").arg(&alias).status();
+    if let Err(panic) = refused {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+#[test]
 fn bad_cache_size() {
     refuse(
         standard,

@@ -50,12 +50,45 @@ fn a_stopped_daemon_does_not_hang_stats_or_unmount() {
     assert!(out.status.success(), "unmount: {stderr}");
     assert!(stderr.contains("aborted its FUSE connection"), "{stderr:?}");
     assert!(!is_mounted(&m.mnt), "still mounted");
-    // Woken up, the daemon finds its connection gone and exits.
-    signal(pid, libc::SIGCONT);
+    // Continued by the unmount, the daemon found its connection gone and exited: its cache
+    // is free for the next mount.
     assert!(
-        wait_for(Duration::from_secs(20), || !process_alive(pid)),
-        "the daemon did not exit after SIGCONT"
+        stderr.contains(&format!("continued its stopped daemon (pid {pid}), which exited")),
+        "{stderr:?}"
     );
+    assert!(!process_alive(pid), "the stopped daemon is still there");
+    std::mem::forget(m); // unmounted above
+    // Its cache is not held by anyone: the next mount takes it.
+    TestMount::new(&src, tmp.path(), &[]);
+}
+
+#[test]
+fn unmount_takes_only_stagefs_mounts_and_follows_a_link_to_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 2, 2, 10, 100);
+    let other = tmp.path().join("tmpfs");
+    std::fs::create_dir(&other).unwrap();
+    let tmpfs = Command::new("mount")
+        .args(["-t", "tmpfs", "none"])
+        .arg(&other)
+        .status()
+        .unwrap();
+    assert!(tmpfs.success());
+    let (out, _) = timed(&["unmount", other.to_str().unwrap()]);
+    let refused = is_mounted(&other);
+    let _ = Command::new("umount").arg(&other).status();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(refused, "stagefs unmount took a tmpfs away");
+    assert!(stderr.contains("is not a stagefs mount (it is tmpfs)"), "{stderr}");
+
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&m.mnt, &link).unwrap();
+    let (out, _) = timed(&["unmount", link.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!is_mounted(&m.mnt), "still mounted");
     std::mem::forget(m); // unmounted above
 }
 
@@ -190,7 +223,8 @@ impl SilentServer {
         );
         let c = |s: &str| std::ffi::CString::new(s).unwrap();
         let target = c(mnt.to_str().unwrap());
-        let (source, fstype, data) = (c("silent"), c("fuse"), c(&options));
+        // Typed as stagefs mounts are: `stagefs unmount` touches nothing else.
+        let (source, fstype, data) = (c("silent"), c("fuse.stagefs"), c(&options));
         // SAFETY: valid C strings; the kernel reads the options.
         let mounted = unsafe {
             libc::mount(

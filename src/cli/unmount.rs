@@ -1,7 +1,11 @@
 //! `stagefs unmount`: detach a stagefs mount, including one whose daemon died, is stopped or
 //! is wedged. Nothing here waits on the daemon for more than a few seconds: a daemon that does
-//! not answer gets its FUSE connection aborted (fusectl) and its mount detached lazily.
+//! not answer gets its FUSE connection aborted (fusectl) and its mount detached lazily, and a
+//! stopped one is continued so it can see its mount gone and exit, freeing its cache. Only
+//! stagefs mounts are touched: run as root by mistake on a tmpfs or a bind mount, it refuses.
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -9,6 +13,7 @@ use anyhow::{Context, anyhow, bail};
 use clap::Args;
 
 use super::stats_cmd::ANSWER_WAIT;
+use crate::daemon::MOUNTPOINT_ENV;
 use crate::daemon::mounts::{self, FUSERMOUNT, HelperError, MountEntry};
 
 /// How long to wait for the kernel to drop the mount after asking.
@@ -21,14 +26,28 @@ pub struct UnmountArgs {
 }
 
 pub fn run(args: UnmountArgs) -> anyhow::Result<()> {
-    let mp = args.mountpoint;
+    // A link to the mount point names the mount it leads to, as for every other command.
+    let mp = mounts::resolve(&args.mountpoint);
     // Found in the mount table, not by stat: a stopped daemon's mount never answers a stat.
     let Some(mount) = mounts::at(&mp).pop() else {
-        bail!("{} is not a mount point", mp.display());
+        bail!("{} is not a mount point", args.mountpoint.display());
     };
     // The daemon's pid, to wait for it to exit so its cache is free for the next mount. A dead
     // daemon's mount answers ENOTCONN at once; a stopped or wedged one not at all.
     let answer = mounts::bounded_getxattr(&mp, crate::fs::PID_XATTR, ANSWER_WAIT);
+    let daemon_pid: Option<i32> = answer
+        .as_ref()
+        .and_then(|a| a.as_ref().ok())
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|s| s.parse().ok());
+    // Its type says so (`fuse.stagefs`), or its daemon does.
+    if mount.fstype != STAGEFS_TYPE && daemon_pid.is_none() {
+        bail!(
+            "{} is not a stagefs mount (it is {}): unmount it with umount",
+            args.mountpoint.display(),
+            mount.fstype
+        );
+    }
     let Some(answer) = answer else {
         return force(
             &mp,
@@ -37,10 +56,6 @@ pub fn run(args: UnmountArgs) -> anyhow::Result<()> {
         );
     };
     let dead = matches!(&answer, Err(e) if e.raw_os_error() == Some(libc::ENOTCONN));
-    let daemon_pid: Option<i32> = answer
-        .ok()
-        .and_then(|v| String::from_utf8(v).ok())
-        .and_then(|s| s.parse().ok());
     let (path, entry) = (mp.clone(), mount.clone());
     match mounts::bounded(UNMOUNT_WAIT, move || detach(&path, &entry, dead)) {
         None => force(
@@ -49,14 +64,18 @@ pub fn run(args: UnmountArgs) -> anyhow::Result<()> {
             &format!("unmounting it did not finish within {UNMOUNT_WAIT:?}"),
         ),
         Some(Err(e)) => Err(e),
-        Some(Ok(())) => {
-            if let Some(pid) = daemon_pid {
-                wait_exit(pid);
-            }
-            Ok(())
-        }
+        Some(Ok(())) => match daemon_pid {
+            Some(pid) if !exited(pid) => bail!(
+                "unmounted {}, but its daemon (pid {pid}) is still running after {UNMOUNT_WAIT:?}: its cache stays in use until it exits",
+                mp.display()
+            ),
+            _ => Ok(()),
+        },
     }
 }
+
+/// The mount type of every stagefs mount (`fuse.` and the subtype it mounts with).
+const STAGEFS_TYPE: &str = "fuse.stagefs";
 
 /// Removes a mount whose daemon does not answer: aborts its FUSE connection (every waiting
 /// call fails at once) and detaches it lazily, then says on one line what was done.
@@ -85,17 +104,58 @@ fn force(mp: &Path, mount: &MountEntry, why: &str) -> anyhow::Result<()> {
         }
     }
     wait_gone(mp, mount)?;
+    // A stopped daemon would hold its cache until someone continues it: with its connection
+    // aborted, it exits as soon as it runs.
+    if let Some(pid) = stopped_daemon(mp) {
+        // SAFETY: kill has no memory arguments.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        done.push(match exited(pid) {
+            true => format!("continued its stopped daemon (pid {pid}), which exited"),
+            false => format!("continued its stopped daemon (pid {pid}), still running"),
+        });
+    }
     eprintln!("stagefs: {}: {why}: {}", mp.display(), done.join(" and "));
     Ok(())
 }
 
-/// Waits (bounded) for process `pid` to exit.
-fn wait_exit(pid: i32) {
+/// Waits (bounded) for process `pid` to exit; whether it did.
+fn exited(pid: i32) -> bool {
     let deadline = Instant::now() + UNMOUNT_WAIT;
     // SAFETY: signal 0 only checks for existence.
-    while unsafe { libc::kill(pid, 0) } == 0 && Instant::now() < deadline {
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        if Instant::now() > deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+    true
+}
+
+/// The stopped (state T) stagefs daemon of the mount at `mp` (resolved), if there is one: the
+/// detached daemon's environment names its mount point ([`MOUNTPOINT_ENV`]); a foreground
+/// one's command line does, if given as an absolute path. Another user's processes are out of
+/// reach (their environment cannot be read), as they would be for a signal.
+fn stopped_daemon(mp: &Path) -> Option<i32> {
+    let named = |proc_dir: &Path| {
+        let env = std::fs::read(proc_dir.join("environ")).unwrap_or_default();
+        let wanted = format!("{MOUNTPOINT_ENV}={}", mp.display());
+        let args = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+        env.split(|&b| b == 0).any(|v| v == wanted.as_bytes())
+            || args
+                .split(|&b| b == 0)
+                .any(|a| a.starts_with(b"/") && mounts::resolve(Path::new(OsStr::from_bytes(a))) == mp)
+    };
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse::<i32>().ok()?, e.path())))
+        .find(|(_, dir)| {
+            let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+            // `pid (comm) state ...`: the comm may hold spaces and parentheses.
+            let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+            stat.contains("(stagefs) ") && state == Some('T') && named(dir)
+        })
+        .map(|(pid, _)| pid)
 }
 
 /// Unmounts with the system's helpers first (they keep libmount's records straight), then

@@ -269,9 +269,16 @@ fn mount_fuse(
     let fs_impl = StageFs::new(data.clone());
     let passthrough = fs_impl.passthrough_flag();
     let mut fuse = Config::default();
+    // The type `fuse.stagefs` is how `stagefs unmount`, findmnt and `umount -t` tell our mounts.
+    // fuser hands the subtype only to fusermount3; mounting itself (as root) it needs the
+    // kernel option, or the mount is plain `fuse`.
+    let subtype = match crate::sys::euid() {
+        0 => MountOption::CUSTOM("subtype=stagefs".into()),
+        _ => MountOption::Subtype("stagefs".into()),
+    };
     fuse.mount_options = vec![
         MountOption::FSName(source.display().to_string()),
-        MountOption::Subtype("stagefs".into()),
+        subtype,
         MountOption::DefaultPermissions,
         MountOption::NoDev,
         MountOption::NoSuid,
@@ -292,8 +299,7 @@ fn mount_fuse(
             path: mountpoint.clone(),
             source: e,
         })?;
-    // Under the claim, the FUSE mount on top at the mountpoint is the one just made (its type
-    // reads `fuse` or `fuse.stagefs` depending on how it was mounted).
+    // Under the claim, the FUSE mount on top at the mountpoint is the one just made.
     let mount = mounts::at(&mountpoint)
         .into_iter()
         .rfind(|m| m.fstype.starts_with("fuse"))

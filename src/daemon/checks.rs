@@ -54,7 +54,7 @@ pub fn check_paths(config: &MountConfig) -> Result<(), MountError> {
         ("cache", &cache_abs, "mountpoint", &mp_abs),
         ("mountpoint", &mp_abs, "source", &source_abs),
     ] {
-        if a.starts_with(b) || b.starts_with(a) {
+        if inside(a, b) || inside(b, a) {
             let (a, b) = (a.clone(), b.clone());
             return Err(MountError::Overlap {
                 first,
@@ -64,12 +64,30 @@ pub fn check_paths(config: &MountConfig) -> Result<(), MountError> {
             });
         }
     }
+    if fs::read_dir(mp).map_err(mp_err)?.next().is_some() {
+        return Err(MountError::MountpointNotEmpty(mp.clone()));
+    }
     if let Ok(m) = fs::metadata(&config.cache)
         && !m.is_dir()
     {
         return Err(MountError::CacheNotDirectory(config.cache.clone()));
     }
     check_fuse_available()
+}
+
+/// Whether `path` (absolute, resolved) is `dir` or below it: by name, and by identity, so a
+/// bind mount of `dir` elsewhere (another name for the same directory) is caught too. A part
+/// of `path` not created yet is skipped.
+fn inside(path: &Path, dir: &Path) -> bool {
+    if path.starts_with(dir) {
+        return true;
+    }
+    let Ok(dir) = fs::metadata(dir) else {
+        return false;
+    };
+    path.ancestors()
+        .filter_map(|p| fs::metadata(p).ok())
+        .any(|m| (m.dev(), m.ino()) == (dir.dev(), dir.ino()))
 }
 
 /// Checks the options that do not need the dataset, so a typo is reported before the daemon

@@ -23,6 +23,11 @@ pub enum MountError {
     #[error("mountpoint {} is not a directory", .0.display())]
     MountpointNotDirectory(PathBuf),
     #[error(
+        "mountpoint {} is not empty: the mount would hide its files; pick an empty directory",
+        .0.display()
+    )]
+    MountpointNotEmpty(PathBuf),
+    #[error(
         "mountpoint {} is already a mount point; unmount it first or pick another directory",
         .0.display()
     )]

@@ -84,16 +84,34 @@ pub fn exists(mount: &MountEntry) -> bool {
     table().iter().any(|m| m.same(mount))
 }
 
-/// Absolute, symlink-resolved form of `path` that never looks at the last component itself:
-/// its parent is resolved and the name appended, so a wedged mount there is not entered.
+/// Absolute, symlink-resolved form of `path` that never asks anything of the last component's
+/// file system: its parent is resolved and the name appended, so a wedged mount there is not
+/// entered. A symbolic link there is followed by its text (readlink stops before a mount's
+/// root answers anything).
 pub fn resolve(path: &Path) -> PathBuf {
+    resolve_links(path, MAX_LINKS)
+}
+
+/// As many links as the kernel follows in one path (ELOOP beyond).
+const MAX_LINKS: u32 = 40;
+
+fn resolve_links(path: &Path, hops: u32) -> PathBuf {
     let Ok(abs) = std::path::absolute(path) else {
         return path.to_path_buf();
     };
     match (abs.parent(), abs.file_name()) {
-        (Some(parent), Some(name)) => fs::canonicalize(parent)
-            .map(|p| p.join(name))
-            .unwrap_or(abs),
+        (Some(parent), Some(name)) => {
+            let resolved = fs::canonicalize(parent)
+                .map(|p| p.join(name))
+                .unwrap_or(abs);
+            match fs::read_link(&resolved) {
+                Ok(target) if hops > 0 => {
+                    let dir = resolved.parent().unwrap_or(Path::new("/"));
+                    resolve_links(&dir.join(target), hops - 1)
+                }
+                _ => resolved,
+            }
+        }
         // "/" or a path ending in "..": nothing that can be a stuck FUSE root by itself.
         _ => fs::canonicalize(&abs).unwrap_or(abs),
     }
@@ -354,7 +372,22 @@ pub fn run_helper(tool: &str, flags: &[&str], path: &Path) -> Result<(), HelperE
 
 #[cfg(test)]
 mod tests {
-    use super::MountEntry;
+    use super::{MountEntry, resolve};
+
+    #[test]
+    fn a_link_as_the_last_component_resolves_to_its_target() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink("m", tmp.path().join("link")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("link"), tmp.path().join("link2")).unwrap();
+        let real = std::fs::canonicalize(&dir).unwrap();
+        assert_eq!(resolve(&tmp.path().join("link")), real);
+        assert_eq!(resolve(&tmp.path().join("link2")), real);
+        std::os::unix::fs::symlink("loop", tmp.path().join("loop")).unwrap();
+        let looping = resolve(&tmp.path().join("loop"));
+        assert!(looping.ends_with("loop"), "ends: {}", looping.display());
+    }
 
     #[test]
     fn parses_mountinfo_lines() {
