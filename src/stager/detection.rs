@@ -11,7 +11,9 @@
 //! order's start: a loader whose worker 0 starts late (workers started with the spawn method
 //! take seconds to import torch) first shows only worker 1's batches, and the search's cheap
 //! first test (worker 0 reads position 0 first) rejects the right seed. So the search gives up
-//! and starts again at once with the opens so far, in the same round.
+//! and starts again at once with the opens so far, in the same round, a few times a round at
+//! most: a loader without persistent workers starts new worker processes every epoch, and
+//! a search restarted for each would never end (nor ever say that nothing was found).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -33,6 +35,9 @@ const KEPT_OPENS: usize = 4096;
 /// Readers told apart while detecting: a DataLoader's workers on every rank of a node, and
 /// room for the threads of a thread pool; readers beyond are not told apart.
 const KEPT_OPENERS: usize = 1024;
+/// Times a round's search starts again for new readers. Late-starting workers all arrive
+/// within the first round or two; a round whose search still misses them has the next round.
+const RESTARTS_PER_ROUND: usize = 2;
 
 /// Which of the job's ranks opened a file, from the launcher's environment of the opener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,6 +99,8 @@ struct Observed {
     launch: JobRank,
     searching: bool,
     searches_done: usize,
+    /// Restarts of the current round's search so far.
+    restarts: usize,
 }
 
 pub(super) struct Detector {
@@ -128,6 +135,7 @@ impl Detector {
                 launch: JobRank::ALONE,
                 searching: false,
                 searches_done: 0,
+                restarts: 0,
             }),
             give_up: AtomicBool::new(false),
         }
@@ -181,7 +189,11 @@ impl Detector {
         if opens.len() < KEPT_OPENS {
             opens.push(index);
         }
-        if ob.openers.len() < KEPT_OPENERS && ob.openers.insert(opener) && ob.searching {
+        if ob.openers.len() < KEPT_OPENERS
+            && ob.openers.insert(opener)
+            && ob.searching
+            && ob.restarts < RESTARTS_PER_ROUND
+        {
             self.give_up.store(true, Ordering::Relaxed);
         }
         let busiest = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
@@ -200,14 +212,19 @@ impl Detector {
         }
         ob.searching = true;
         ob.searches_done += 1;
+        ob.restarts = 0;
         Some(self.search_of(&ob))
     }
 
     /// What a search given up searches instead: the opens so far, in the same round. `None`
     /// when the detection ended meanwhile.
     fn resume(&self) -> Option<Search> {
-        let ob = self.observed.lock();
-        (self.is_active() && ob.searching).then(|| self.search_of(&ob))
+        let mut ob = self.observed.lock();
+        if !(self.is_active() && ob.searching) {
+            return None;
+        }
+        ob.restarts += 1;
+        Some(self.search_of(&ob))
     }
 
     /// A search of the opens so far, in round `searches_done`.
@@ -415,5 +432,48 @@ impl Inner {
         drop(st);
         self.work.notify_all();
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::{Catalog, LayoutKind};
+
+    /// A detector over `n` files, and their catalog ids in sample order.
+    fn detector(n: usize) -> (tempfile::TempDir, Detector, Vec<FileId>) {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..n {
+            std::fs::write(dir.path().join(format!("f{i:04}")), b"x").unwrap();
+        }
+        let catalog = Catalog::scan(dir.path(), 1).unwrap();
+        let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
+        let files = (0..n as u32).map(|i| layout.file_of(i).unwrap()).collect();
+        (dir, Detector::new(&layout, catalog.len()), files)
+    }
+
+    #[test]
+    fn new_readers_restart_a_round_s_search_only_a_few_times() {
+        let (_dir, d, files) = detector(64);
+        let mut opens = files.iter().cycle();
+        let mut search = None;
+        while search.is_none() {
+            search = d.observe(*opens.next().unwrap(), JobRank::ALONE, 1);
+        }
+        // Every open from here comes from a reader never seen, as the new worker processes of
+        // every epoch of a loader without persistent workers.
+        let mut restarts = 0;
+        for opener in 2..100 {
+            assert!(d.observe(*opens.next().unwrap(), JobRank::ALONE, opener).is_none());
+            if d.give_up.load(Ordering::Relaxed) {
+                assert!(d.resume().is_some(), "a search given up starts again");
+                restarts += 1;
+            }
+        }
+        assert_eq!(restarts, RESTARTS_PER_ROUND);
+        // The round's search then runs to its end: not found, the next round comes.
+        d.not_found();
+        assert!(d.is_active());
+        assert!(matches!(d.state(), DetectionState::Searching { .. }));
     }
 }
