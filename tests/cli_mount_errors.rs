@@ -200,7 +200,11 @@ fn mountpoint_not_empty() {
         fs::write(s.mnt.join("notes.txt"), b"mine").unwrap();
         standard(s)
     };
-    refuse(paths, &[], &["mountpoint", "is not empty", "would hide its files"]);
+    refuse(
+        paths,
+        &[],
+        &["mountpoint", "is not empty", "would hide its files"],
+    );
 }
 
 /// The cache inside SOURCE, named through a bind mount of SOURCE: the same directory under

@@ -53,7 +53,9 @@ fn a_stopped_daemon_does_not_hang_stats_or_unmount() {
     // Continued by the unmount, the daemon found its connection gone and exited: its cache
     // is free for the next mount.
     assert!(
-        stderr.contains(&format!("continued its stopped daemon (pid {pid}), which exited")),
+        stderr.contains(&format!(
+            "continued its stopped daemon (pid {pid}), which exited"
+        )),
         "{stderr:?}"
     );
     assert!(!process_alive(pid), "the stopped daemon is still there");
@@ -81,13 +83,20 @@ fn unmount_takes_only_stagefs_mounts_and_follows_a_link_to_one() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(refused, "stagefs unmount took a tmpfs away");
-    assert!(stderr.contains("is not a stagefs mount (it is tmpfs)"), "{stderr}");
+    assert!(
+        stderr.contains("is not a stagefs mount (it is tmpfs)"),
+        "{stderr}"
+    );
 
     let m = TestMount::new(&src, tmp.path(), &[]);
     let link = tmp.path().join("link");
     std::os::unix::fs::symlink(&m.mnt, &link).unwrap();
     let (out, _) = timed(&["unmount", link.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!is_mounted(&m.mnt), "still mounted");
     std::mem::forget(m); // unmounted above
 }

@@ -233,7 +233,12 @@ fn source_with(content: &[u8]) -> (tempfile::TempDir, Catalog, FileId) {
 fn stage(cache: &CacheDir, catalog: &Catalog, id: FileId) {
     let path = catalog.source_path(id);
     cache
-        .stage(File::open(&path).unwrap(), catalog, id, &AtomicBool::new(false))
+        .stage(
+            File::open(&path).unwrap(),
+            catalog,
+            id,
+            &AtomicBool::new(false),
+        )
         .unwrap();
 }
 

@@ -141,9 +141,9 @@ fn stopped_daemon(mp: &Path) -> Option<i32> {
         let wanted = format!("{MOUNTPOINT_ENV}={}", mp.display());
         let args = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
         env.split(|&b| b == 0).any(|v| v == wanted.as_bytes())
-            || args
-                .split(|&b| b == 0)
-                .any(|a| a.starts_with(b"/") && mounts::resolve(Path::new(OsStr::from_bytes(a))) == mp)
+            || args.split(|&b| b == 0).any(|a| {
+                a.starts_with(b"/") && mounts::resolve(Path::new(OsStr::from_bytes(a))) == mp
+            })
     };
     std::fs::read_dir("/proc")
         .ok()?
@@ -152,7 +152,9 @@ fn stopped_daemon(mp: &Path) -> Option<i32> {
         .find(|(_, dir)| {
             let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
             // `pid (comm) state ...`: the comm may hold spaces and parentheses.
-            let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next());
             stat.contains("(stagefs) ") && state == Some('T') && named(dir)
         })
         .map(|(pid, _)| pid)

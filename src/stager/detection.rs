@@ -11,9 +11,9 @@
 //! order's start: a loader whose worker 0 starts late (workers started with the spawn method
 //! take seconds to import torch) first shows only worker 1's batches, and the search's cheap
 //! first test (worker 0 reads position 0 first) rejects the right seed. So the search gives up
-//! and starts again at once with the opens so far, in the same round, a few times a round at
-//! most: a loader without persistent workers starts new worker processes every epoch, and
-//! a search restarted for each would never end (nor ever say that nothing was found).
+//! and starts again at once with the opens so far, in the same round: a few times, in the
+//! first rounds only. A loader without persistent workers starts new worker processes every
+//! epoch, and a search restarted for each would never end (nor ever say nothing was found).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -35,9 +35,12 @@ const KEPT_OPENS: usize = 4096;
 /// Readers told apart while detecting: a DataLoader's workers on every rank of a node, and
 /// room for the threads of a thread pool; readers beyond are not told apart.
 const KEPT_OPENERS: usize = 1024;
-/// Times a round's search starts again for new readers. Late-starting workers all arrive
-/// within the first round or two; a round whose search still misses them has the next round.
+/// Times a round's search starts again for new readers, in the first [`RESTARTING_ROUNDS`]
+/// rounds only. Late-starting workers all arrive within those; a round whose search still
+/// misses them has the next round. Later new readers are the next epoch's workers of a loader
+/// without persistent workers: restarting for them only throws away the longest searches.
 const RESTARTS_PER_ROUND: usize = 2;
+const RESTARTING_ROUNDS: usize = 2;
 
 /// Which of the job's ranks opened a file, from the launcher's environment of the opener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,6 +195,7 @@ impl Detector {
         if ob.openers.len() < KEPT_OPENERS
             && ob.openers.insert(opener)
             && ob.searching
+            && ob.searches_done <= RESTARTING_ROUNDS
             && ob.restarts < RESTARTS_PER_ROUND
         {
             self.give_up.store(true, Ordering::Relaxed);
@@ -464,7 +468,10 @@ mod tests {
         // every epoch of a loader without persistent workers.
         let mut restarts = 0;
         for opener in 2..100 {
-            assert!(d.observe(*opens.next().unwrap(), JobRank::ALONE, opener).is_none());
+            assert!(
+                d.observe(*opens.next().unwrap(), JobRank::ALONE, opener)
+                    .is_none()
+            );
             if d.give_up.load(Ordering::Relaxed) {
                 assert!(d.resume().is_some(), "a search given up starts again");
                 restarts += 1;
@@ -475,5 +482,26 @@ mod tests {
         d.not_found();
         assert!(d.is_active());
         assert!(matches!(d.state(), DetectionState::Searching { .. }));
+        // After the first rounds, new readers restart nothing.
+        let mut opener = 100;
+        let mut rounds_left = SEARCH_AT.len() - 1;
+        while rounds_left > 0 {
+            opener += 1;
+            if d.observe(*opens.next().unwrap(), JobRank::ALONE, opener)
+                .is_none()
+            {
+                continue;
+            }
+            rounds_left -= 1;
+            let round = d.observed.lock().searches_done;
+            for k in 1..10 {
+                d.observe(*opens.next().unwrap(), JobRank::ALONE, opener + k);
+            }
+            opener += 10;
+            let gave_up = d.give_up.load(Ordering::Relaxed);
+            assert_eq!(gave_up, round <= RESTARTING_ROUNDS, "round {round}");
+            d.not_found();
+        }
+        assert!(matches!(d.state(), DetectionState::NotFound { .. }));
     }
 }
