@@ -339,3 +339,32 @@ fn stats_and_unmount_return_when_the_daemon_holds_the_request() {
     assert!(!is_mounted(&mnt), "still mounted");
     drop(server);
 }
+
+#[test]
+fn stats_of_a_killed_daemon_says_how_to_remove_its_mount() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 2, 2, 10, 100);
+    let m = TestMount::new(&src, tmp.path(), &[]);
+    let pid = m.daemon_pid();
+    signal(pid, libc::SIGKILL);
+    assert!(wait_for(Duration::from_secs(20), || !process_alive(pid)));
+    let mnt = m.mnt.to_str().unwrap();
+    let (out, _) = timed(&["stats", mnt]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(stderr.contains("its daemon is gone"), "{stderr:?}");
+    assert!(
+        stderr.contains(&format!("`stagefs unmount {mnt}`")),
+        "{stderr:?}"
+    );
+    let (out, _) = timed(&["unmount", mnt]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!is_mounted(&m.mnt), "still mounted");
+    std::mem::forget(m); // unmounted above
+}

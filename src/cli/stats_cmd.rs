@@ -64,6 +64,12 @@ pub(super) enum XattrError {
         .0.display()
     )]
     NoAnswer(PathBuf),
+    #[error(
+        "{}: its daemon is gone (the mount answers \"not connected\"); `stagefs unmount {}` removes the mount",
+        .0.display(),
+        .0.display()
+    )]
+    DaemonGone(PathBuf),
     #[error("{} is inside a stagefs mount, not its root: give the mount point", .0.display())]
     InsideMount(PathBuf),
     #[error("{} is not a stagefs mount", .0.display())]
@@ -84,6 +90,7 @@ pub(super) fn read_xattr(path: &Path, name: &str) -> Result<Vec<u8>, XattrError>
     answer.map_err(|e| match e.raw_os_error() {
         Some(libc::ENODATA) if is_inside_mount(path) => XattrError::InsideMount(path.into()),
         Some(libc::ENODATA) | Some(libc::ENOTSUP) => XattrError::NotStagefs(path.into()),
+        Some(libc::ENOTCONN) => XattrError::DaemonGone(path.into()),
         _ => XattrError::Io {
             path: path.into(),
             source: e,
