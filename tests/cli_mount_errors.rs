@@ -194,6 +194,17 @@ fn mountpoint_inside_source() {
     refuse(paths, &[], &["mountpoint", "source", "overlap"]);
 }
 
+/// Refused by the daemon, after it made the cache directory and its log: they go again.
+#[test]
+fn source_without_samples() {
+    let paths = |s: &Setup| {
+        let empty = s.work.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        (empty, s.mnt.clone(), s.cache.clone())
+    };
+    refuse(paths, &[], &["found no samples"]);
+}
+
 #[test]
 fn mountpoint_not_empty() {
     let paths = |s: &Setup| {
