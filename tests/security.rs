@@ -269,6 +269,10 @@ fn acls_on_source_are_honoured() {
     reads(CONTROL, &[], &m.mnt.join("c3/x.jpg"), b"behind acl dir");
     let out = as_user(CONTROL, &[], "ls", &[&m.mnt.join("c3")]);
     assert_eq!(out.stdout, b"x.jpg\n", "{out:?}");
+    // The kernel knows c3/x.jpg now; its name and attributes stay refused as on SOURCE.
+    denied("stat", &src.join("c3/x.jpg"));
+    denied("stat", &m.mnt.join("c3/x.jpg"));
+    denied("stat", &m.mnt.join("c3/nosuch.jpg"));
     assert_eq!(fs::read(m.mnt.join("c1/acl.jpg")).unwrap(), b"acl");
     assert_eq!(fs::read(m.mnt.join("c3/x.jpg")).unwrap(), b"behind acl dir");
     // Once staged, the cached copy is refused as the source file was.

@@ -266,7 +266,7 @@ fn mount_fuse(
     source: &Path,
     mountpoint: PathBuf,
 ) -> Result<RunningMount, MountError> {
-    let fs_impl = StageFs::new(data.clone());
+    let fs_impl = StageFs::new(data.clone(), config.allow_other);
     let passthrough = fs_impl.passthrough_flag();
     let mut fuse = Config::default();
     // The type `fuse.stagefs` is how `stagefs unmount`, findmnt and `umount -t` tell our mounts.

@@ -36,12 +36,21 @@ const TTL: Duration = Duration::from_secs(24 * 3600);
 
 pub struct StageFs {
     core: DatasetFs<BackingId>,
+    /// Whether the kernel checks SOURCE's POSIX ACLs itself (see [`StageFs::new`]).
+    source_acls: bool,
 }
 
 impl StageFs {
-    pub fn new(data: Arc<MountedDataset>) -> StageFs {
+    /// `shared`: other users than the daemon's may use the mount (`--allow-other`). The
+    /// kernel then enforces SOURCE's POSIX ACLs with the mode bits (FUSE_POSIX_ACL): an ACL
+    /// that refuses a user a directory refuses lookups and stat in it too, as on SOURCE,
+    /// where the mode bits alone would let them through the kernel's cached entries (opens
+    /// are checked on SOURCE besides, see `access`). It costs one GETXATTR per inode the
+    /// kernel loads, which a mount nobody else uses does not need to pay.
+    pub fn new(data: Arc<MountedDataset>, shared: bool) -> StageFs {
         StageFs {
             core: DatasetFs::new(data),
+            source_acls: shared,
         }
     }
 
@@ -159,6 +168,11 @@ impl Filesystem for StageFs {
                     && config.set_max_stack_depth(1).is_ok()
             });
         let _ = config.set_max_background(64);
+        if self.source_acls && config.add_capabilities(InitFlags::FUSE_POSIX_ACL).is_err() {
+            log::warn!(
+                "this kernel cannot enforce SOURCE's POSIX ACLs on lookups: users an ACL refuses a directory can still see names and attributes in it (opens are still refused)"
+            );
+        }
         Ok(())
     }
 
