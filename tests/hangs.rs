@@ -91,14 +91,16 @@ fn unmount_takes_only_stagefs_mounts_and_follows_a_link_to_one() {
     let m = TestMount::new(&src, tmp.path(), &[]);
     let link = tmp.path().join("link");
     std::os::unix::fs::symlink(&m.mnt, &link).unwrap();
-    let (out, _) = timed(&["unmount", link.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    unmount_with_the_command(m, &link);
+}
+
+/// `stagefs unmount PATH` (PATH leading to `m`) succeeds and `m` is gone.
+fn unmount_with_the_command(m: TestMount, path: &Path) {
+    let (out, _) = timed(&["unmount", path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
     assert!(!is_mounted(&m.mnt), "still mounted");
-    std::mem::forget(m); // unmounted above
+    std::mem::forget(m); // unmounted
 }
 
 #[test]
@@ -359,12 +361,6 @@ fn stats_of_a_killed_daemon_says_how_to_remove_its_mount() {
         stderr.contains(&format!("`stagefs unmount {mnt}`")),
         "{stderr:?}"
     );
-    let (out, _) = timed(&["unmount", mnt]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(!is_mounted(&m.mnt), "still mounted");
-    std::mem::forget(m); // unmounted above
+    let mnt = m.mnt.clone();
+    unmount_with_the_command(m, &mnt);
 }
