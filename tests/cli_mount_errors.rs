@@ -205,6 +205,19 @@ fn source_without_samples() {
     refuse(paths, &[], &["found no samples"]);
 }
 
+/// The same with a cache directory that was there before: it stays, as it was.
+#[test]
+fn source_without_samples_leaves_an_existing_cache_directory() {
+    let paths = |s: &Setup| {
+        let empty = s.work.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        fs::create_dir(&s.cache).unwrap();
+        fs::set_permissions(&s.cache, fs::Permissions::from_mode(0o700)).unwrap();
+        (empty, s.mnt.clone(), s.cache.clone())
+    };
+    refuse(paths, &[], &["found no samples"]);
+}
+
 #[test]
 fn mountpoint_not_empty() {
     let paths = |s: &Setup| {

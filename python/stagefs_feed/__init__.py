@@ -162,31 +162,44 @@ class _AnnouncingIterator:
             if length < _followed.get(mountpoint, 0):
                 return
             _followed[mountpoint] = length
-        drawn = list(itertools.islice(self._it, max(length - 1, 0)))
+        head = list(itertools.islice(self._it, max(length - 1, 0)))
         # Reaching the last item can end the sampler's loop, and a sampler may draw there:
         # RandomSampler's remainder randperm, which a batch sampler's partial last batch
         # reaches. Without the hook that draw happens only if the job asks for the last item
         # (not after a peek or a break), so once announced (the look-ahead goes on from the
-        # epoch's end) the sampler's generators are put back, and set to where that draw
-        # leaves them when the job asks.
+        # epoch's end) the generators that draw moved are put back, and moved on again when
+        # the job asks.
         generators = _generators(sampler)
         before = [g.get_state() for g in generators]
         last = list(itertools.islice(self._it, min(length, 1)))
-        after = [g.get_state() for g in generators]
-        drawn += last
+        moved = [(g, b, g.get_state()) for g, b in zip(generators, before)]
+        moved = [(g, b, a) for g, b, a in moved if not _torch_equal(b, a)]
         try:
-            _announce(target, self._loader, sampler, drawn)
+            _announce(target, self._loader, sampler, head + last)
         except Exception as e:
             _warn(("announce", type(e).__name__), f"cannot announce the order to stagefs: {e}")
-        for gen, state in zip(generators, before):
+        for gen, state, _ in moved:
             gen.set_state(state)
-        self._it = itertools.chain(drawn[:-1], _after_states(generators, after, last), self._it)
+        self._it = itertools.chain(head, _after_last(moved, last), self._it)
 
 
-def _after_states(generators, states, items):
-    """Yields `items` once `generators` are set to `states` (when the job asks for them)."""
-    for gen, state in zip(generators, states):
-        gen.set_state(state)
+def _torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
+
+
+def _after_last(moved, items):
+    """Yields `items` once each generator of `moved` (generator, state put back, state the
+    last item's draw left) is moved on to where that draw left it, when the job asks for
+    them. A generator drawn from meanwhile by something else is left as it is: setting it
+    would undo those draws."""
+    for gen, put_back, after in moved:
+        if _torch_equal(gen.get_state(), put_back):
+            gen.set_state(after)
+        else:
+            _warn(("moved", id(gen)), "a sampler's generator was drawn from by something else during the epoch; "
+                  "its end-of-epoch draw is dropped")
     yield from items
 
 

@@ -5,9 +5,12 @@
 use std::fs::{self, Metadata};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
-use super::{CacheError, Manifest, OLD_MANIFEST, OWN_DIR, io_err, write_manifest};
+use super::{CacheError, LOCK, Manifest, OLD_MANIFEST, OWN_DIR, io_err, write_manifest};
+use crate::files::open_nofollow;
 use crate::sys::euid;
 
 /// Creates a directory of stagefs's own (0700); one already there must be a real directory.
@@ -133,20 +136,74 @@ fn check_private_dir(path: &Path, meta: &Metadata) -> Result<(), CacheError> {
     Ok(())
 }
 
+/// The outermost directory of the cache this process created (the cache itself, or only
+/// stagefs's own directory in it), with its device and inode.
+static MADE_HERE: OnceLock<(PathBuf, u64, u64)> = OnceLock::new();
+
+/// Removes what this process created of cache `root` after a mount failed, unless a daemon
+/// holds the cache's lock: a refused mount leaves nothing behind, and never takes away a
+/// directory another mount made or uses (two mounts started at once with one `--cache`).
+pub fn remove_if_made_here(root: &Path) {
+    let Some((made, dev, ino)) = MADE_HERE.get() else {
+        return;
+    };
+    let Ok(meta) = fs::symlink_metadata(made) else {
+        return;
+    };
+    if !meta.is_dir() || (meta.dev(), meta.ino()) != (*dev, *ino) {
+        return;
+    }
+    // Held while removing: whoever else has it uses this cache.
+    let lock = match open_nofollow(&root.join(OWN_DIR).join(LOCK)) {
+        Ok(lock) => Some(lock),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(_) => return,
+    };
+    let taken = |lock: &std::fs::File| {
+        // SAFETY: flock on a valid fd we own.
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+    };
+    if lock.as_ref().is_some_and(|l| !taken(l)) {
+        return;
+    }
+    // Links inside are removed, never followed.
+    let _ = fs::remove_dir_all(made);
+}
+
+/// Notes `dir` as made by this process, if none was before.
+fn made_here(dir: &Path) -> Result<(), CacheError> {
+    let meta = fs::symlink_metadata(dir).map_err(io_err(dir))?;
+    let _ = MADE_HERE.set((dir.to_path_buf(), meta.dev(), meta.ino()));
+    Ok(())
+}
+
 /// Checks `root` as [`check_root`] does and creates what is missing: CACHE itself (0700) and
 /// stagefs's own directory with a manifest for `source`. Returns the own directory. Empties
 /// nothing, so it may run before the cache lock is taken (the daemon's log lives there).
 pub fn prepare(root: &Path, source: &Path) -> Result<PathBuf, CacheError> {
     check_parents(root)?;
-    // A no-op on an existing directory (or link to one: refused just below).
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(root)
-        .map_err(io_err(root))?;
+    if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
+            .map_err(io_err(parent))?;
+    }
+    // Made by this call, or there already (a link to a directory is refused just below).
+    let made = match fs::DirBuilder::new().mode(0o700).create(root) {
+        Ok(()) => true,
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+        Err(e) => return Err(io_err(root)(e)),
+    };
     check_existing(root, &fs::symlink_metadata(root).map_err(io_err(root))?)?;
     let own = root.join(OWN_DIR);
+    let own_existed = fs::symlink_metadata(&own).is_ok();
     mkdir_private(&own)?;
+    if made {
+        made_here(root)?;
+    } else if !own_existed {
+        made_here(&own)?;
+    }
     if Manifest::read(&own).is_none() {
         write_manifest(&own, source)?;
     }

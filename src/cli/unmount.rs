@@ -118,11 +118,14 @@ fn force(mp: &Path, mount: &MountEntry, why: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits (bounded) for process `pid` to exit; whether it did.
+/// Waits (bounded) for process `pid` to exit; whether it did. A zombie has exited: a reaper
+/// that does not reap (a container's init) must not make the unmount fail.
 fn exited(pid: i32) -> bool {
     let deadline = Instant::now() + UNMOUNT_WAIT;
-    // SAFETY: signal 0 only checks for existence.
-    while unsafe { libc::kill(pid, 0) } == 0 {
+    while !matches!(
+        process_state(Path::new(&format!("/proc/{pid}"))),
+        None | Some('Z' | 'X')
+    ) {
         if Instant::now() > deadline {
             return false;
         }
@@ -131,33 +134,48 @@ fn exited(pid: i32) -> bool {
     true
 }
 
-/// The stopped (state T) stagefs daemon of the mount at `mp` (resolved), if there is one: the
-/// detached daemon's environment names its mount point ([`MOUNTPOINT_ENV`]); a foreground
-/// one's command line does, if given as an absolute path. Another user's processes are out of
-/// reach (their environment cannot be read), as they would be for a signal.
+/// The state letter of the process whose /proc directory is `proc_dir` (None: gone).
+fn process_state(proc_dir: &Path) -> Option<char> {
+    let stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
+    // `pid (comm) state ...`: the comm may hold spaces and parentheses.
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+/// The stopped (state T) stagefs daemon of the mount at `mp` (resolved), if exactly one
+/// process is that: a `stagefs mount` in this mount namespace whose environment names `mp`
+/// ([`MOUNTPOINT_ENV`], the detached daemon's) or whose command line does as an absolute
+/// path (a foreground one's). Nothing is continued on a doubt.
 fn stopped_daemon(mp: &Path) -> Option<i32> {
-    let named = |proc_dir: &Path| {
-        let env = std::fs::read(proc_dir.join("environ")).unwrap_or_default();
-        let wanted = format!("{MOUNTPOINT_ENV}={}", mp.display());
+    let own_namespace = std::fs::read_link("/proc/self/ns/mnt").ok()?;
+    let wanted = format!("{MOUNTPOINT_ENV}={}", mp.display());
+    let serves_mp = |proc_dir: &Path| {
         let args = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = args.split(|&b| b == 0).collect();
+        if args.get(1) != Some(&&b"mount"[..])
+            || std::fs::read_link(proc_dir.join("ns/mnt")).ok() != Some(own_namespace.clone())
+        {
+            return false;
+        }
+        let env = std::fs::read(proc_dir.join("environ")).unwrap_or_default();
         env.split(|&b| b == 0).any(|v| v == wanted.as_bytes())
-            || args.split(|&b| b == 0).any(|a| {
+            || args.iter().any(|a| {
                 a.starts_with(b"/") && mounts::resolve(Path::new(OsStr::from_bytes(a))) == mp
             })
     };
-    std::fs::read_dir("/proc")
+    let found: Vec<i32> = std::fs::read_dir("/proc")
         .ok()?
         .flatten()
         .filter_map(|e| Some((e.file_name().to_str()?.parse::<i32>().ok()?, e.path())))
-        .find(|(_, dir)| {
-            let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
-            // `pid (comm) state ...`: the comm may hold spaces and parentheses.
-            let state = stat
-                .rsplit_once(") ")
-                .and_then(|(_, rest)| rest.chars().next());
-            stat.contains("(stagefs) ") && state == Some('T') && named(dir)
+        .filter(|(_, dir)| {
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            comm.trim_end() == "stagefs" && process_state(dir) == Some('T') && serves_mp(dir)
         })
         .map(|(pid, _)| pid)
+        .collect();
+    match found[..] {
+        [pid] => Some(pid),
+        _ => None,
+    }
 }
 
 /// Unmounts with the system's helpers first (they keep libmount's records straight), then

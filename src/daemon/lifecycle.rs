@@ -136,9 +136,6 @@ pub fn run(config: &MountConfig) -> Result<(), MountError> {
     unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
     // SAFETY: the fd was created for us by the parent and is owned by this process alone.
     let mut ready = ready_fd.map(|fd| unsafe { fs::File::from_raw_fd(fd) });
-    // A cache directory this attempt creates goes again if the mount fails (an empty SOURCE,
-    // a bad index, a full disk): a refused request leaves nothing behind.
-    let fresh_cache = fs::symlink_metadata(&config.cache).is_err();
     // Errors from here on, the log's own included, reach the user through the pipe.
     let started = logging::init(config, ready.is_some()).and_then(|()| start(config));
     let running = match started {
@@ -148,10 +145,9 @@ pub fn run(config: &MountConfig) -> Result<(), MountError> {
                 let _ = writeln!(r, "error: {e}");
             }
             log::error!("{e}");
-            if fresh_cache {
-                // Links are removed, never followed.
-                let _ = fs::remove_dir_all(&config.cache);
-            }
+            // A cache directory this attempt created goes again (an empty SOURCE, a bad
+            // index, a full disk): a refused request leaves nothing behind.
+            crate::cache::remove_if_made_here(&config.cache);
             return Err(e);
         }
     };

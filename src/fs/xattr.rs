@@ -236,13 +236,19 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         }
         // An entry's ACL is anyone's to read who can reach it (getfacl needs no read
         // permission), and the kernel asks for it to decide about every caller (FUSE_POSIX_ACL).
-        if !is_acl(name) {
+        let acl = is_acl(name);
+        if !acl {
             self.permitted(caller, id, libc::R_OK)?;
         }
         let value = self
             .source_node(id)
             .and_then(|node| source_xattr(&node, name))
-            .map_err(FsError::Source)?;
+            .map_err(|errno| match errno {
+                // A SOURCE without ACLs (NFSv4, `noacl`) has none, which the kernel must hear
+                // as such: any other error fails its every permission check past the owner.
+                libc::EOPNOTSUPP if acl => FsError::NoAttr,
+                errno => FsError::Source(errno),
+            })?;
         sized(size, value)
     }
 

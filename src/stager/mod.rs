@@ -446,7 +446,8 @@ impl Stager {
         }
     }
 
-    /// Stops the threads and waits for them (copies under way finish first).
+    /// Stops the threads and waits for them (copies under way are abandoned at their next
+    /// chunk, their temporary files removed).
     pub fn shutdown(self) {
         drop(self);
     }

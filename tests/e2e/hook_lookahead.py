@@ -66,6 +66,23 @@ def loaders():
 INTERRUPTIONS = (None, "peek", "break")
 
 
+class ShortSampler(torch.utils.data.Sampler):
+    """Yields fewer indices than its len() says (the loader takes what comes)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self):
+        return self.n + 16  # two batches more than it yields
+
+
+def short_loader():
+    return DataLoader(TensorDataset(torch.arange(N)), batch_size=8, sampler=ShortSampler(N))
+
+
 def run(make, hook, epochs=3, epoch_hook=None, interruption=None):
     torch.manual_seed(11)
     loader = make()
@@ -90,6 +107,7 @@ def main():
         for name, make, eh in loaders()
         for i in INTERRUPTIONS
     }
+    plain_short = run(short_loader, False)
     stagefs_feed._target_of = fake_target
     stagefs_feed._channels["/fake"] = FakeChannel()
     stagefs_feed.install()
@@ -121,6 +139,10 @@ def main():
             if epoch + 1 < 3 and ahead.get(epoch + 1) != order[epoch + 1]:
                 print(f"{name}: epoch {epoch + 1} announced ahead wrong", file=sys.stderr)
                 failures += 1
+    stagefs_feed._followed.clear()
+    if run(short_loader, True) != plain_short:
+        print("a sampler shorter than its len(): the hook changed what the job drew", file=sys.stderr)
+        failures += 1
     print("ok" if failures == 0 else f"{failures} failures")
     sys.exit(1 if failures else 0)
 
