@@ -39,31 +39,57 @@ pub trait Source: Send + Sync {
 pub struct SourceRoot {
     path: PathBuf,
     fd: RwLock<Arc<OwnedFd>>,
+    /// SOURCE was the root of a file system mounted there (a parallel file system's client).
+    mount_root: bool,
 }
 
 impl SourceRoot {
     pub fn open(path: &Path) -> io::Result<SourceRoot> {
+        let fd = sys::open_directory(path)?;
         Ok(SourceRoot {
             path: path.to_path_buf(),
-            fd: RwLock::new(Arc::new(sys::open_directory(path)?)),
+            mount_root: is_mount_root(path, fd.as_fd()),
+            fd: RwLock::new(Arc::new(fd)),
         })
     }
 
     /// Runs `op` on the root descriptor. If the file system's client was restarted or
     /// remounted (a crashed GlusterFS client, an NFS failover: ENOTCONN / ESTALE), the old
     /// descriptor will never work again but the path may: `op` runs once more on a fresh one.
-    /// What is found there is checked like anything else.
+    /// What is found there is checked like anything else. A SOURCE that was a mount's root is
+    /// taken again only as one: between the dead client's unmount and the new mount, the path
+    /// shows the empty directory beneath, where every file would look deleted for good.
     pub fn with<T>(&self, op: impl Fn(BorrowedFd<'_>) -> io::Result<T>) -> io::Result<T> {
         let fd = self.fd.read().clone();
         match op(fd.as_fd()) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ESTALE)) => {
                 let fresh = Arc::new(sys::open_directory(&self.path).map_err(|_| e)?);
+                if self.mount_root && !is_mount_root(&self.path, fresh.as_fd()) {
+                    return Err(io::Error::from_raw_os_error(libc::ENOTCONN));
+                }
                 *self.fd.write() = fresh.clone();
                 op(fresh.as_fd())
             }
             other => other,
         }
     }
+}
+
+/// Whether directory `fd` (at `path`) is on another file system than its parent.
+fn is_mount_root(path: &Path, fd: BorrowedFd<'_>) -> bool {
+    let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return false;
+    };
+    // SAFETY: stat is plain data, for which all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor (O_PATH descriptors may be fstat'ed) and out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    std::fs::metadata(parent).is_ok_and(|p| {
+        use std::os::unix::fs::MetadataExt;
+        p.dev() != st.st_dev
+    })
 }
 
 /// The real thing: files opened on the mounted parallel file system, beneath its root.
