@@ -51,6 +51,13 @@ pub fn raise_descriptor_limit() {
 }
 
 /// `path` as a C string; a path with a NUL byte cannot name a file (EINVAL).
+/// The fields of a `/proc/PID/stat` line after the command name (state first), which is in
+/// parentheses and may itself hold spaces and parentheses.
+pub fn proc_stat_fields(stat: &[u8]) -> Option<impl Iterator<Item = &[u8]>> {
+    let after_name = &stat[stat.iter().rposition(|&b| b == b')')? + 1..];
+    Some(after_name.split(|&b| b == b' ').filter(|f| !f.is_empty()))
+}
+
 pub fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))

@@ -242,10 +242,8 @@ impl CacheDir {
     /// content is still to be checked ([`CacheDir::open_verified`]).
     pub fn reuse(&self, catalog: &Catalog) -> Vec<(FileId, u64)> {
         let mut present: HashSet<OsString> = HashSet::new();
-        for sub in fs::read_dir(&self.data).into_iter().flatten().flatten() {
-            for f in fs::read_dir(sub.path()).into_iter().flatten().flatten() {
-                present.insert(f.file_name());
-            }
+        for f in self.stored_files() {
+            present.insert(f.file_name());
         }
         let mut kept = Vec::new();
         let mut wanted: HashSet<OsString> = HashSet::new();
@@ -268,11 +266,9 @@ impl CacheDir {
         }
         let stale = present.len() - wanted.len();
         if stale > 0 {
-            for sub in fs::read_dir(&self.data).into_iter().flatten().flatten() {
-                for f in fs::read_dir(sub.path()).into_iter().flatten().flatten() {
-                    if !wanted.contains(&f.file_name()) {
-                        let _ = fs::remove_file(f.path());
-                    }
+            for f in self.stored_files() {
+                if !wanted.contains(&f.file_name()) {
+                    let _ = fs::remove_file(f.path());
                 }
             }
             log::info!("cache: removed {stale} files that no longer match the source");
@@ -307,14 +303,19 @@ impl CacheDir {
         filesystem_space(&self.root)
     }
 
-    /// Bytes of the copies under `data/` now, before [`CacheDir::reuse`] keeps or deletes
-    /// them: room the cache already has on top of the file system's free space.
-    pub fn held_bytes(&self) -> u64 {
+    /// Every entry of `data/`'s fan-out directories, whatever it is.
+    fn stored_files(&self) -> impl Iterator<Item = fs::DirEntry> + '_ {
         fs::read_dir(&self.data)
             .into_iter()
             .flatten()
             .flatten()
             .flat_map(|sub| fs::read_dir(sub.path()).into_iter().flatten().flatten())
+    }
+
+    /// Bytes of the copies under `data/` now, before [`CacheDir::reuse`] keeps or deletes
+    /// them: room the cache already has on top of the file system's free space.
+    pub fn held_bytes(&self) -> u64 {
+        self.stored_files()
             .filter_map(|f| f.metadata().ok())
             .filter(|m| m.is_file())
             .map(|m| m.len())

@@ -136,9 +136,9 @@ fn exited(pid: i32) -> bool {
 
 /// The state letter of the process whose /proc directory is `proc_dir` (None: gone).
 fn process_state(proc_dir: &Path) -> Option<char> {
-    let stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
-    // `pid (comm) state ...`: the comm may hold spaces and parentheses.
-    stat.rsplit_once(") ")?.1.chars().next()
+    let stat = std::fs::read(proc_dir.join("stat")).ok()?;
+    let state = crate::sys::proc_stat_fields(&stat)?.next()?;
+    state.first().map(|&b| b as char)
 }
 
 /// The stopped (state T) stagefs daemon of the mount at `mp` (resolved), if exactly one

@@ -210,14 +210,9 @@ impl ProcessTable for Proc {
     }
 }
 
-/// The parent and start time in a `/proc/PID/stat` line: fields 4 and 22, counted after the
-/// command name in parentheses, which may itself hold spaces and parentheses.
+/// The parent and start time in a `/proc/PID/stat` line: fields 4 and 22.
 fn parse_stat(stat: &[u8]) -> Option<ProcessStat> {
-    let after_name = &stat[stat.iter().rposition(|&b| b == b')')? + 1..];
-    let fields: Vec<&[u8]> = after_name
-        .split(|&b| b == b' ')
-        .filter(|f| !f.is_empty())
-        .collect();
+    let fields: Vec<&[u8]> = crate::sys::proc_stat_fields(stat)?.collect();
     let number =
         |i: usize| -> Option<u64> { std::str::from_utf8(fields.get(i)?).ok()?.parse().ok() };
     Some(ProcessStat {
