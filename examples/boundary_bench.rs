@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use stagefs::cache::CacheDir;
-use stagefs::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind};
+use stagefs::catalog::{Catalog, Datasets, LayoutSpec, ROOT};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, TrackerSettings};
 use stagefs::stager::{Source, Stager, StagerSettings};
@@ -84,8 +84,8 @@ fn main() {
     };
     let root = PathBuf::from("/synthetic/imagenet");
     let catalog = Arc::new(Catalog::scan_with(&root, &tree, 2).unwrap());
-    let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
-    let layout = Arc::new(Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap());
+    let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
+    let layout = datasets.get(ROOT).unwrap();
     let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
     sampler.world_size = 64;
     let plan =
@@ -96,7 +96,7 @@ fn main() {
     let cache = CacheDir::open(&dir.path().join("cache"), &root).unwrap();
     let counters = Arc::new(Counters::default());
     let stager = Stager::start(
-        catalog,
+        datasets,
         Arc::new(OneFile(one)),
         cache,
         plan.clone(),

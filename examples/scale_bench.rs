@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stagefs::catalog::{Catalog, DEFAULT_EXTENSIONS, Layout, LayoutKind, index};
+use stagefs::catalog::{Catalog, Layout, LayoutSpec, ROOT, index};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, Tracker, TrackerSettings};
 
@@ -63,9 +63,8 @@ fn main() {
         peak_rss_bytes().saturating_sub(rss_bytes()) as f64 / files as f64
     );
 
-    let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
     let t = Instant::now();
-    let layout = Arc::new(Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap());
+    let layout = Arc::new(Layout::build(&catalog, ROOT, &LayoutSpec::default()).unwrap());
     let layout_bytes = layout.heap_bytes();
     println!(
         "imagefolder layout in {:.2?}: {} samples",

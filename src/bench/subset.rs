@@ -11,7 +11,7 @@
 
 use std::path::PathBuf;
 
-use crate::catalog::{Catalog, Layout, LayoutError, LayoutKind};
+use crate::catalog::{Catalog, Layout, LayoutError, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
 /// How much of SOURCE to read.
@@ -122,7 +122,12 @@ fn units(
     catalog: &Catalog,
     extensions: &[String],
 ) -> Result<(Vec<Vec<u32>>, Vec<String>), SubsetError> {
-    match Layout::build(catalog, LayoutKind::ImageFolder, extensions, None) {
+    let spec = |kind| LayoutSpec {
+        kind,
+        extensions: extensions.to_vec(),
+        list_file: None,
+    };
+    match Layout::build(catalog, ROOT, &spec(LayoutKind::ImageFolder)) {
         Ok(layout) => {
             let mut classes: Vec<Vec<u32>> = Vec::new();
             let mut names: Vec<String> = Vec::new();
@@ -142,8 +147,8 @@ fn units(
             }
             Ok((classes, names))
         }
-        Err(LayoutError::Empty(_)) => {
-            let layout = Layout::build(catalog, LayoutKind::Tree, extensions, None)?;
+        Err(LayoutError::Empty { .. }) => {
+            let layout = Layout::build(catalog, ROOT, &spec(LayoutKind::Tree))?;
             let files = (0..layout.len() as u32).filter_map(|i| layout.file_of(i));
             Ok((files.map(|f| vec![f]).collect(), Vec::new()))
         }

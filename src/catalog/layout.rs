@@ -8,12 +8,19 @@
 //! A sample whose path is a symlink maps to the file the link resolves to (that is what the
 //! kernel opens); one that cannot be resolved inside SOURCE maps to no file and is simply not
 //! staged.
+//!
+//! A dataset need not be all of SOURCE: any directory under it can be a dataset's root (a
+//! dataset directory holds `train/` and `val/`, and the job reads `ImageFolder(root/train)`).
+//! A layout is built for one root; [`Datasets`] builds them as they are asked for and keeps the
+//! last few, since the catalog is shared and only the numbering differs.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::{Catalog, FileId, Kind, MaybeFile, ROOT};
+use parking_lot::Mutex;
+
+use super::{Catalog, FileId, FileSet, Kind, MaybeFile, ROOT};
 
 /// torchvision's `IMG_EXTENSIONS`, matched case-insensitively against the end of the path.
 pub const DEFAULT_EXTENSIONS: &[&str] = &[
@@ -57,47 +64,105 @@ pub enum LayoutError {
     ListFileMissing,
     #[error("--list-file {0} names no file: give one relative path per line")]
     ListEmpty(PathBuf),
-    #[error("layout {0:?} found no samples under the source; check --layout / --extensions")]
-    Empty(LayoutKind),
+    #[error("layout {kind} found no samples in {root}; check --layout / --extensions / --dataset")]
+    Empty { kind: &'static str, root: String },
+    #[error("--dataset {0}: no such directory in the source")]
+    NoDirectory(PathBuf),
 }
 
-/// The dataset's samples in index order, as catalog file ids.
+/// How the job's dataset class numbers its files: the layout kind and its settings, the same
+/// for every dataset root of a mount.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutSpec {
+    pub kind: LayoutKind,
+    /// ImageFolder: file name endings that count as samples, with their dot, matched
+    /// case-insensitively.
+    pub extensions: Vec<String>,
+    /// List layout: one path per line, relative to the dataset's root; line i = sample i.
+    pub list_file: Option<PathBuf>,
+}
+
+impl Default for LayoutSpec {
+    fn default() -> Self {
+        LayoutSpec {
+            kind: LayoutKind::ImageFolder,
+            extensions: DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+            list_file: None,
+        }
+    }
+}
+
+/// One dataset's samples in index order, as catalog file ids.
 pub struct Layout {
+    /// The dataset's root directory, and its name ([`dataset_name`]).
+    root: FileId,
+    name: String,
     files: Vec<MaybeFile>,
+    /// The files some sample reads.
+    members: FileSet,
     classes: Vec<String>,
 }
 
 impl Layout {
+    /// The samples of the dataset rooted at directory `root` (links followed), numbered as
+    /// `spec` says.
     pub fn build(
         catalog: &Catalog,
-        kind: LayoutKind,
-        extensions: &[String],
-        list_file: Option<&Path>,
+        root: FileId,
+        spec: &LayoutSpec,
     ) -> Result<Layout, LayoutError> {
-        let mut layout = match kind {
-            LayoutKind::ImageFolder => image_folder(catalog, extensions),
-            LayoutKind::Tree => Layout {
-                files: sorted_tree(catalog),
-                classes: Vec::new(),
-            },
+        let root = catalog
+            .resolve(root)
+            .filter(|&r| catalog.entry(r).is_some_and(|e| e.kind == Kind::Directory))
+            .ok_or_else(|| LayoutError::NoDirectory(catalog.relative_path(root)))?;
+        let (files, classes) = match spec.kind {
+            LayoutKind::ImageFolder => image_folder(catalog, root, &spec.extensions),
+            LayoutKind::Tree => (sorted_tree(catalog, root), Vec::new()),
             LayoutKind::List => {
-                let path = list_file.ok_or(LayoutError::ListFileMissing)?;
+                let path = spec
+                    .list_file
+                    .as_deref()
+                    .ok_or(LayoutError::ListFileMissing)?;
                 let text = read_list(path)?;
-                let files = parse_list(catalog, &text).map_err(list_line_error(path))?;
+                let files = parse_list(catalog, root, &text).map_err(list_line_error(path))?;
                 if files.is_empty() {
                     return Err(LayoutError::ListEmpty(path.to_path_buf()));
                 }
-                Layout {
-                    files: files.into_iter().map(MaybeFile::from).collect(),
-                    classes: Vec::new(),
-                }
+                (files.into_iter().map(MaybeFile::from).collect(), Vec::new())
             }
         };
-        layout.files.shrink_to_fit();
-        if layout.is_empty() {
-            return Err(LayoutError::Empty(kind));
+        if files.is_empty() {
+            return Err(LayoutError::Empty {
+                kind: spec.kind.name(),
+                root: dataset_name(catalog, root),
+            });
         }
-        Ok(layout)
+        let mut members = FileSet::with_id_space(catalog.len());
+        members.extend(files.iter().filter_map(|f| f.get()));
+        let mut files = files;
+        files.shrink_to_fit();
+        Ok(Layout {
+            root,
+            name: dataset_name(catalog, root),
+            files,
+            members,
+            classes,
+        })
+    }
+
+    /// The dataset's root directory.
+    pub fn root(&self) -> FileId {
+        self.root
+    }
+
+    /// The dataset's directory under SOURCE, `.` for SOURCE itself.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether some sample of the dataset reads `file`.
+    pub fn contains(&self, file: FileId) -> bool {
+        self.members.contains(file)
     }
 
     pub fn len(&self) -> usize {
@@ -117,18 +182,111 @@ impl Layout {
         &self.classes
     }
 
-    /// Heap memory of the sample → file table, in bytes.
+    /// Heap memory of the sample → file table and the member set, in bytes.
     pub fn heap_bytes(&self) -> usize {
-        4 * self.files.capacity()
+        4 * self.files.capacity() + self.members.heap_bytes()
     }
 
     /// Sample i is file i: for engine tests that do not need a real tree.
     #[cfg(test)]
     pub fn identity(n: u32) -> Layout {
+        let mut members = FileSet::with_id_space(n as usize);
+        members.extend(0..n);
         Layout {
+            root: ROOT,
+            name: ".".into(),
             files: (0..n).map(MaybeFile::from).collect(),
+            members,
             classes: Vec::new(),
         }
+    }
+}
+
+/// How a dataset root is named to the user: its path relative to SOURCE, `.` for SOURCE.
+pub fn dataset_name(catalog: &Catalog, root: FileId) -> String {
+    match catalog.relative_path(root) {
+        p if p.as_os_str().is_empty() => ".".into(),
+        p => p.display().to_string(),
+    }
+}
+
+/// Layouts kept built: the datasets a mount follows or looks at (the training set, the
+/// validation set, a candidate while the order is searched for).
+const KEPT_LAYOUTS: usize = 8;
+
+/// The layouts of a mount's datasets, built on first use with the mount's [`LayoutSpec`].
+pub struct Datasets {
+    catalog: std::sync::Arc<Catalog>,
+    spec: LayoutSpec,
+    /// The dataset the user named (`--dataset`), if any: then it is the only one.
+    named: Option<FileId>,
+    /// Most recently used last.
+    built: Mutex<Vec<std::sync::Arc<Layout>>>,
+}
+
+impl Datasets {
+    pub fn new(catalog: std::sync::Arc<Catalog>, spec: LayoutSpec) -> Datasets {
+        Datasets {
+            catalog,
+            spec,
+            named: None,
+            built: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The job's dataset is the one at `relative`, as the user said: nothing else is looked
+    /// for.
+    pub fn named(mut self, relative: &Path) -> Result<Datasets, LayoutError> {
+        let root = self.at(relative)?.root();
+        self.named = Some(root);
+        Ok(self)
+    }
+
+    /// The root of the dataset the user named, if they did.
+    pub fn named_root(&self) -> Option<FileId> {
+        self.named
+    }
+
+    pub fn catalog(&self) -> &std::sync::Arc<Catalog> {
+        &self.catalog
+    }
+
+    pub fn spec(&self) -> &LayoutSpec {
+        &self.spec
+    }
+
+    /// The layout of the dataset rooted at directory `root`. Built without the lock held:
+    /// a million-file ImageFolder takes a second to sort.
+    pub fn get(&self, root: FileId) -> Result<std::sync::Arc<Layout>, LayoutError> {
+        let resolved = self.catalog.resolve(root).unwrap_or(root);
+        if let Some(layout) = self.touch(resolved) {
+            return Ok(layout);
+        }
+        let layout = std::sync::Arc::new(Layout::build(&self.catalog, root, &self.spec)?);
+        let mut built = self.built.lock();
+        if built.len() >= KEPT_LAYOUTS {
+            built.remove(0);
+        }
+        built.push(layout.clone());
+        Ok(layout)
+    }
+
+    /// The layout of the dataset at `relative` (a path under SOURCE, `.` or empty for SOURCE).
+    pub fn at(&self, relative: &Path) -> Result<std::sync::Arc<Layout>, LayoutError> {
+        let root = if relative.as_os_str().is_empty() || relative == Path::new(".") {
+            Some(ROOT)
+        } else {
+            self.catalog.lookup_path(relative)
+        };
+        self.get(root.ok_or_else(|| LayoutError::NoDirectory(relative.to_path_buf()))?)
+    }
+
+    fn touch(&self, root: FileId) -> Option<std::sync::Arc<Layout>> {
+        let mut built = self.built.lock();
+        let i = built.iter().position(|l| l.root == root)?;
+        let layout = built.remove(i);
+        built.push(layout.clone());
+        Some(layout)
     }
 }
 
@@ -160,10 +318,14 @@ fn has_extension(path: &[u8], extensions: &[String]) -> bool {
 /// torchvision `make_dataset`: class folders are the root's entries that are directories
 /// (following links), sorted; each class is walked with `os.walk(followlinks=True)`, the walk's
 /// directories sorted by their full path string and the files of each sorted by name.
-fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
+fn image_folder(
+    catalog: &Catalog,
+    root: FileId,
+    extensions: &[String],
+) -> (Vec<MaybeFile>, Vec<String>) {
     let extensions: Vec<String> = extensions.iter().map(|e| e.to_lowercase()).collect();
     let mut classes: Vec<(&[u8], FileId)> = catalog
-        .children(ROOT)
+        .children(root)
         .filter_map(|id| {
             let target = catalog.resolve(id)?;
             (catalog.entry(target)?.kind == Kind::Directory)
@@ -230,29 +392,34 @@ fn image_folder(catalog: &Catalog, extensions: &[String]) -> Layout {
         .iter()
         .map(|(n, _)| String::from_utf8_lossy(n).into_owned())
         .collect();
-    Layout { files, classes }
+    (files, classes)
 }
 
-/// Every regular file (symlinks not followed), sorted by relative path bytes.
-fn sorted_tree(catalog: &Catalog) -> Vec<MaybeFile> {
-    let mut out = Vec::new();
+/// Every regular file under `root` (symlinks not followed), sorted by path bytes.
+fn sorted_tree(catalog: &Catalog, root: FileId) -> Vec<MaybeFile> {
     // Depth-first in name order with '/' as separator is not byte order ("a/x/b" vs "a/x-y"),
     // so collect paths and sort them.
-    let mut with_paths: Vec<(Vec<u8>, FileId)> = catalog
-        .files()
-        .map(|id| {
-            (
-                catalog
-                    .relative_path(id)
-                    .into_os_string()
-                    .into_encoded_bytes(),
-                id,
-            )
-        })
-        .collect();
+    let mut with_paths: Vec<(Vec<u8>, FileId)> = Vec::new();
+    let mut dirs = vec![(Vec::new(), root)];
+    while let Some((path, dir)) = dirs.pop() {
+        for child in catalog.children(dir) {
+            let mut child_path = path.clone();
+            if !child_path.is_empty() {
+                child_path.push(b'/');
+            }
+            child_path.extend_from_slice(catalog.name(child).as_bytes());
+            match catalog.entry(child).map(|e| e.kind) {
+                Some(Kind::File) => with_paths.push((child_path, child)),
+                Some(Kind::Directory) => dirs.push((child_path, child)),
+                _ => {}
+            }
+        }
+    }
     with_paths.sort_unstable();
-    out.extend(with_paths.into_iter().map(|(_, id)| MaybeFile::from(id)));
-    out
+    with_paths
+        .into_iter()
+        .map(|(_, id)| MaybeFile::from(id))
+        .collect()
 }
 
 /// Reads a `--list-file` and checks the shape of its lines ([`list_paths`]), so a bad list is
@@ -324,15 +491,19 @@ pub fn list_paths(text: &[u8]) -> Result<Vec<&Path>, (usize, String)> {
         .collect()
 }
 
-/// [`list_paths`], then each path looked up in the catalog: it must name a regular file (or a
-/// link resolving to one inside SOURCE).
-fn parse_list(catalog: &Catalog, text: &[u8]) -> Result<Vec<FileId>, (usize, String)> {
+/// [`list_paths`], then each path looked up in the catalog from `root`: it must name a regular
+/// file (or a link resolving to one inside SOURCE).
+fn parse_list(
+    catalog: &Catalog,
+    root: FileId,
+    text: &[u8],
+) -> Result<Vec<FileId>, (usize, String)> {
     list_paths(text)?
         .into_iter()
         .enumerate()
         .map(|(i, path)| {
             let line_no = i + 1;
-            let id = catalog.lookup_path(path).ok_or_else(|| {
+            let id = catalog.lookup_path_from(root, path).ok_or_else(|| {
                 (
                     line_no,
                     format!("'{}' does not exist in the source", path.display()),

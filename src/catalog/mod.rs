@@ -11,6 +11,7 @@
 //! readdir a slice walk. Ids are assigned breadth-first; the inode number is `id + 1` so the
 //! root is FUSE's inode 1.
 
+mod file_set;
 pub mod index;
 mod layout;
 mod maybe_file;
@@ -21,9 +22,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use file_set::FileSet;
 pub use index::IndexError;
 pub use layout::{
-    DEFAULT_EXTENSIONS, Layout, LayoutError, LayoutKind, check_list_file, list_paths,
+    DEFAULT_EXTENSIONS, Datasets, Layout, LayoutError, LayoutKind, LayoutSpec, check_list_file,
+    dataset_name, list_paths,
 };
 pub use maybe_file::MaybeFile;
 pub use scan::{Lister, ScanError, Scanned};
@@ -275,10 +278,16 @@ impl Catalog {
     /// directories on the way are followed (the last component is not), `..` and links never
     /// lead above the root, and absolute paths are refused.
     pub fn lookup_path(&self, relative: &Path) -> Option<FileId> {
+        self.lookup_path_from(ROOT, relative)
+    }
+
+    /// [`lookup_path`](Self::lookup_path) from directory `dir` instead of the root (`..` may
+    /// still climb up to the root, as in the kernel).
+    pub fn lookup_path_from(&self, dir: FileId, relative: &Path) -> Option<FileId> {
         if relative.is_absolute() {
             return None;
         }
-        self.walk_from(ROOT, relative, &mut 0)
+        self.walk_from(dir, relative, &mut 0)
     }
 
     /// Follows symlinks (in every component, like the kernel would) until a non-link node.
@@ -342,6 +351,32 @@ impl Catalog {
     fn resolve_dir(&self, id: FileId, hops: &mut usize) -> Option<FileId> {
         let dir = self.resolve_hops(id, hops)?;
         (self.entries[dir as usize].kind == Kind::Directory).then_some(dir)
+    }
+
+    /// How many directories `id` is below the root.
+    pub fn depth(&self, mut id: FileId) -> usize {
+        let mut depth = 0;
+        while id != ROOT {
+            id = self.entries[id as usize].parent;
+            depth += 1;
+        }
+        depth
+    }
+
+    /// The deepest directory holding both `a` and `b` (the root at worst).
+    pub fn common_ancestor(&self, mut a: FileId, mut b: FileId) -> FileId {
+        let parent = |id: FileId| self.entries[id as usize].parent;
+        let (mut da, mut db) = (self.depth(a), self.depth(b));
+        while da > db {
+            (a, da) = (parent(a), da - 1);
+        }
+        while db > da {
+            (b, db) = (parent(b), db - 1);
+        }
+        while a != b {
+            (a, b) = (parent(a), parent(b));
+        }
+        a
     }
 
     /// Every regular file id, in id order.

@@ -109,6 +109,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         layout: LayoutKind::ImageFolder,
         extensions: args.extensions.clone(),
         list_file: None,
+        dataset: None,
     }
     .extensions();
     let config = BenchConfig {

@@ -13,13 +13,13 @@ pub mod size;
 mod stats_cmd;
 mod unmount;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::builder::PossibleValue;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
+use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind, LayoutSpec};
 use crate::order::{
     self, GeneratorSource, OrderError, SamplerConfig, SamplerKind, SamplerOption, TorchVersion,
 };
@@ -197,9 +197,27 @@ pub struct LayoutArgs {
     /// list layout: one relative path per line, line i = sample i
     #[arg(long, value_name = "FILE")]
     pub list_file: Option<PathBuf>,
+    /// The job's dataset directory inside SOURCE, e.g. `train` when the job reads
+    /// ImageFolder(MNT/train) [default: found from the job's opens (a mount), SOURCE itself (an order)]
+    #[arg(long, value_name = "DIR")]
+    pub dataset: Option<PathBuf>,
 }
 
 impl LayoutArgs {
+    /// How the job's dataset class numbers its files.
+    pub fn spec(&self) -> LayoutSpec {
+        LayoutSpec {
+            kind: self.layout,
+            extensions: self.extensions(),
+            list_file: self.list_file.clone(),
+        }
+    }
+
+    /// `--dataset`, or SOURCE itself.
+    pub fn dataset_root(&self) -> &Path {
+        self.dataset.as_deref().unwrap_or(Path::new("."))
+    }
+
     pub fn extensions(&self) -> Vec<String> {
         match &self.extensions {
             Some(list) => list

@@ -156,6 +156,7 @@ impl TryFrom<&MountArgs> for MountConfig {
             layout: args.layout.layout,
             extensions: args.layout.extensions(),
             list_file: args.layout.list_file.clone(),
+            dataset: args.layout.dataset.clone(),
             stage_threads: args.stage_threads,
             lookahead,
             read_through_above,

@@ -9,7 +9,9 @@ use anyhow::Context;
 use clap::Args;
 
 use super::{LayoutArgs, SamplerArgs};
-use crate::catalog::{Catalog, Layout};
+use std::sync::Arc;
+
+use crate::catalog::{Catalog, Datasets};
 use crate::order::SamplerKind;
 
 #[derive(Args, Debug)]
@@ -53,13 +55,9 @@ pub fn run(args: OrderArgs) -> anyhow::Result<()> {
     }
     let (len, dataset) = match &args.source {
         Some(dir) => {
-            let catalog = Catalog::scan(dir, 16)?;
-            let layout = Layout::build(
-                &catalog,
-                args.layout.layout,
-                &args.layout.extensions(),
-                args.layout.list_file.as_deref(),
-            )?;
+            let catalog = Arc::new(Catalog::scan(dir, 16)?);
+            let datasets = Datasets::new(catalog.clone(), args.layout.spec());
+            let layout = datasets.at(args.layout.dataset_root())?;
             (layout.len() as u64, Some((catalog, layout)))
         }
         None => (args.len.unwrap_or(0), None),

@@ -71,6 +71,8 @@ pub enum RequestError {
     },
     #[error("none of the {0} paths is a file on this mount (paths are relative to its root)")]
     NoFiles(usize),
+    #[error("root: {0}")]
+    Root(#[from] crate::catalog::LayoutError),
     #[error("the mount is going away")]
     Unmounting,
     #[error(transparent)]

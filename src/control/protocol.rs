@@ -12,9 +12,12 @@ pub enum Request {
     /// (`null` for an index whose file is not on this mount). Answered with a handle that
     /// [`Request::Order`] names for the rest of the connection.
     Dataset { paths: Vec<Option<String>> },
-    /// The order rank `rank` of `world_size` reads in `epoch`: indices into a registered
-    /// dataset, or without one, sample indices of the mount's layout. `current`: the rank is
-    /// starting that epoch now (otherwise it is the next one, announced ahead).
+    /// The order rank `rank` of `world_size` reads in `epoch` of one loader: indices into a
+    /// registered dataset, or without one, sample indices of the mount's layout of the dataset
+    /// at `root`. `current`: the rank is starting that epoch now (otherwise it is the next
+    /// one, announced ahead). `root` (the dataset's directory under the mount, `.` for its
+    /// root) and `shuffled` (whether the loader's sampler shuffles) tell the job's loaders
+    /// apart: the mount follows the training loader's stream.
     Order {
         epoch: u64,
         rank: u32,
@@ -22,10 +25,19 @@ pub enum Request {
         current: bool,
         #[serde(default)]
         dataset: Option<u64>,
+        #[serde(default)]
+        root: Option<String>,
+        #[serde(default = "shuffled_by_default")]
+        shuffled: bool,
         indices: Vec<u64>,
     },
     /// The job (re)starts at `epoch` (`stagefs epoch`).
     Epoch { epoch: u64 },
+}
+
+/// An announcement that does not say is taken for the training loader's.
+fn shuffled_by_default() -> bool {
+    true
 }
 
 impl Request {
@@ -82,6 +94,8 @@ mod tests {
                 world_size: 2,
                 current: true,
                 dataset: None,
+                root: None,
+                shuffled: true,
                 indices: vec![2, 0]
             }
         );

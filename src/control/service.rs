@@ -7,8 +7,9 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use super::{Peer, Reply, Request, RequestError, Service, Session};
-use crate::catalog::{FileId, Kind, Layout};
+use crate::catalog::{Datasets, FileId, Kind, ROOT};
 use crate::fs::MountedDataset;
+use crate::plan::StreamKey;
 
 /// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
 /// 14 M samples), low enough that a bad client cannot make the daemon allocate without bound.
@@ -28,7 +29,8 @@ pub struct MountControl {
     /// Weak: a client holding its connection open must not keep an unmounted dataset (and
     /// its stager's threads) alive.
     pub data: Weak<MountedDataset>,
-    pub layout: Arc<Layout>,
+    /// The layouts indices are announced in.
+    pub datasets: Arc<Datasets>,
     /// The mount's owner: the daemon's user.
     pub owner: u32,
     /// For an `--allow-other` mount, whether another user may (None: nobody else).
@@ -64,20 +66,27 @@ impl Service for MountControl {
     fn session(&self, peer: Peer) -> Box<dyn Session> {
         Box::new(ControlSession {
             data: self.data.clone(),
-            layout: self.layout.clone(),
+            datasets: self.datasets.clone(),
             peer,
             privileged: peer.uid == 0 || peer.uid == self.owner,
             job: self.job.clone(),
             pinned: false,
-            datasets: Vec::new(),
+            registrations: Vec::new(),
             registered: 0,
         })
     }
 }
 
+/// A dataset the job registered: the file each of its indices reads, if it is on this mount,
+/// and the directory holding them all (what its stream is called).
+struct Registered {
+    files: Vec<Option<FileId>>,
+    root: FileId,
+}
+
 struct ControlSession {
     data: Weak<MountedDataset>,
-    layout: Arc<Layout>,
+    datasets: Arc<Datasets>,
     peer: Peer,
     /// The mount's owner or root: told how many paths are files (others could otherwise probe
     /// for names in directories SOURCE does not let them list), never refused as another job.
@@ -85,8 +94,8 @@ struct ControlSession {
     job: Arc<Mutex<JobPin>>,
     /// This connection holds the job pin.
     pinned: bool,
-    /// Registered datasets: the file each of their indices reads, if it is on this mount.
-    datasets: Vec<Vec<Option<FileId>>>,
+    /// Registered datasets.
+    registrations: Vec<Registered>,
     /// Their entries together.
     registered: usize,
 }
@@ -133,6 +142,8 @@ impl Session for ControlSession {
                 world_size,
                 current,
                 dataset,
+                root,
+                shuffled,
                 indices,
             } => {
                 if world_size > MAX_WORLD_SIZE {
@@ -142,9 +153,10 @@ impl Session for ControlSession {
                     return Err(RequestError::Rank { rank, world_size });
                 }
                 self.pin_job()?;
-                let files = self.files_of(dataset, &indices)?;
+                let (files, name) = self.files_of(dataset, root.as_deref(), &indices)?;
                 let count = files.len();
-                data.stager.announce(epoch, rank, files, current)?;
+                let stream = StreamKey { name, shuffled };
+                data.stager.announce(&stream, epoch, rank, files, current)?;
                 Ok(self.counted(Reply::ok(), count))
             }
             Request::Epoch { epoch } => {
@@ -166,7 +178,7 @@ impl ControlSession {
         data: &MountedDataset,
         paths: Vec<Option<String>>,
     ) -> Result<Reply, RequestError> {
-        if self.datasets.len() >= MAX_DATASETS {
+        if self.registrations.len() >= MAX_DATASETS {
             return Err(RequestError::TooMany {
                 what: "datasets on one connection",
                 max: MAX_DATASETS,
@@ -186,9 +198,16 @@ impl ControlSession {
         if found == 0 && !paths.is_empty() && self.privileged {
             return Err(RequestError::NoFiles(paths.len()));
         }
+        let catalog = &data.catalog;
+        let root = files
+            .iter()
+            .flatten()
+            .map(|&f| catalog.entry(f).map_or(ROOT, |e| e.parent))
+            .reduce(|a, b| catalog.common_ancestor(a, b))
+            .unwrap_or(ROOT);
         self.registered += files.len();
-        self.datasets.push(files);
-        let reply = Reply::ok().with("dataset", self.datasets.len() - 1);
+        self.registrations.push(Registered { files, root });
+        let reply = Reply::ok().with("dataset", self.registrations.len() - 1);
         Ok(self.counted(reply, found))
     }
 
@@ -201,30 +220,52 @@ impl ControlSession {
         }
     }
 
-    /// The files `indices` read, in order, through a registered dataset or the mount's layout.
-    /// Indices whose file is not on the mount are left out (the job reads them elsewhere).
-    fn files_of(&self, dataset: Option<u64>, indices: &[u64]) -> Result<Vec<FileId>, RequestError> {
+    /// The files `indices` read, in order, through a registered dataset or the mount's layout
+    /// of the dataset at `root`, and the name of the stream they are (the dataset's directory,
+    /// `root` if the job gave one). Indices whose file is not on the mount are left out (the
+    /// job reads them elsewhere).
+    fn files_of(
+        &self,
+        dataset: Option<u64>,
+        root: Option<&str>,
+        indices: &[u64],
+    ) -> Result<(Vec<FileId>, String), RequestError> {
         if indices.len() > MAX_ANNOUNCED {
             return Err(RequestError::TooMany {
                 what: "indices",
                 max: MAX_ANNOUNCED,
             });
         }
-        let lookup: Box<dyn Fn(usize) -> Option<FileId> + '_> = match dataset {
+        let catalog = self.datasets.catalog();
+        match dataset {
             Some(handle) => {
-                let files = usize::try_from(handle)
+                let registered = usize::try_from(handle)
                     .ok()
-                    .and_then(|h| self.datasets.get(h))
+                    .and_then(|h| self.registrations.get(h))
                     .ok_or(RequestError::NoDataset(handle))?;
+                let files = &registered.files;
                 check_range(indices, files.len(), "the registered dataset")?;
-                Box::new(move |i| files[i])
+                let name = root.map_or_else(
+                    || crate::catalog::dataset_name(catalog, registered.root),
+                    str::to_owned,
+                );
+                Ok((
+                    indices.iter().filter_map(|&i| files[i as usize]).collect(),
+                    name,
+                ))
             }
             None => {
-                check_range(indices, self.layout.len(), "the mount's layout")?;
-                Box::new(|i| self.layout.file_of(i as u32))
+                let layout = match root {
+                    Some(root) => self.datasets.at(Path::new(root))?,
+                    None => self
+                        .datasets
+                        .get(self.datasets.named_root().unwrap_or(ROOT))?,
+                };
+                check_range(indices, layout.len(), "the mount's layout")?;
+                let files = indices.iter().filter_map(|&i| layout.file_of(i as u32));
+                Ok((files.collect(), layout.name().to_owned()))
             }
-        };
-        Ok(indices.iter().filter_map(|&i| lookup(i as usize)).collect())
+        }
     }
 }
 

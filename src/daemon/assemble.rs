@@ -14,7 +14,7 @@ use super::checks::{absolute_for_new, claim_mountpoint, preflight};
 use super::lifecycle::{RunningMount, block_termination_signals};
 use super::{Capacity, Lookahead, MountConfig, MountError, mounts};
 use crate::cache::{CacheDir, index_path};
-use crate::catalog::{Catalog, IndexError, Layout, index};
+use crate::catalog::{Catalog, Datasets, IndexError, LayoutSpec, ROOT, index};
 use crate::control::{AdmitOther, ControlServer, MountControl, Peer};
 use crate::fs::{Caller, MountedDataset, StageFs, may_read_root};
 use crate::plan::{Plan, TrackerSettings};
@@ -43,7 +43,7 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let cache_root = absolute_for_new(&config.cache)?;
     let (catalog, scanned) = load_catalog(config, &source, &cache_root)?;
     let catalog = Arc::new(catalog);
-    let plan = build_plan(config, &catalog)?;
+    let (datasets, plan) = build_plan(config, &catalog)?;
     // Before the cache sizes its table of copies kept open by the limit.
     sys::raise_descriptor_limit();
     let cache = CacheDir::open(&cache_root, &source)?;
@@ -61,16 +61,15 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let source_root = Arc::new(source_root);
     // Held until mounted; taken before staging starts so a refused mount copies nothing.
     let claim = claim_mountpoint(&mountpoint)?;
-    let layout = plan.layout().clone();
     let data = Arc::new(start_stager(
         config,
-        catalog,
+        datasets.clone(),
         plan,
         cache,
         settings,
         source_root,
     ));
-    let control = start_control(config, &data, layout)?;
+    let control = start_control(config, &data, datasets)?;
     let running = mount_fuse(config, data, control, &source, mountpoint)?;
     drop(claim);
     Ok(running)
@@ -117,31 +116,40 @@ fn load_catalog(
     Ok((catalog, scanned))
 }
 
-/// Index → file as the job's dataset class numbers them, and the node's stream over it.
-fn build_plan(config: &MountConfig, catalog: &Arc<Catalog>) -> Result<Arc<Plan>, MountError> {
-    let layout = Layout::build(
-        catalog,
-        config.layout,
-        &config.extensions,
-        config.list_file.as_deref(),
-    )?;
+/// The mount's datasets (its layout, and `--dataset`), and the node's stream over the one the
+/// order numbers: `--dataset`, or SOURCE itself until the job's opens show another.
+fn build_plan(
+    config: &MountConfig,
+    catalog: &Arc<Catalog>,
+) -> Result<(Arc<Datasets>, Arc<Plan>), MountError> {
+    let spec = LayoutSpec {
+        kind: config.layout,
+        extensions: config.extensions.clone(),
+        list_file: config.list_file.clone(),
+    };
+    let mut datasets = Datasets::new(catalog.clone(), spec);
+    if let Some(named) = &config.dataset {
+        datasets = datasets.named(named)?;
+    }
+    let layout = datasets.get(datasets.named_root().unwrap_or(ROOT))?;
     if !layout.classes().is_empty() {
         log::info!(
-            "{} classes, {} samples",
+            "{}: {} classes, {} samples",
+            layout.name(),
             layout.classes().len(),
             layout.len()
         );
     }
     let (sampler, ranks) = (config.sampler.clone(), config.ranks.clone());
-    let plan = Plan::new(sampler, ranks, Arc::new(layout), catalog.len())?;
+    let plan = Plan::new(sampler, ranks, layout, catalog.len())?;
     plan.check_epoch_reachable(config.epoch)?;
-    Ok(Arc::new(plan))
+    Ok((Arc::new(datasets), Arc::new(plan)))
 }
 
 /// Starts staging (at the job's first epoch) and bundles what the FUSE layer serves from.
 fn start_stager(
     config: &MountConfig,
-    catalog: Arc<Catalog>,
+    datasets: Arc<Datasets>,
     plan: Arc<Plan>,
     cache: CacheDir,
     settings: StagerSettings,
@@ -150,8 +158,9 @@ fn start_stager(
     let counters = Arc::new(Counters::default());
     let local = Arc::new(LocalSource::new(source_root.clone()));
     let capacity = settings.capacity;
+    let catalog = datasets.catalog().clone();
     let stager = Stager::start(
-        catalog.clone(),
+        datasets,
         local,
         cache,
         plan.clone(),
@@ -185,7 +194,7 @@ fn start_stager(
 fn start_control(
     config: &MountConfig,
     data: &Arc<MountedDataset>,
-    layout: Arc<Layout>,
+    datasets: Arc<Datasets>,
 ) -> Result<ControlServer, MountError> {
     let admit_other = config.allow_other.then(|| {
         let root = data.source_root.clone();
@@ -202,7 +211,7 @@ fn start_control(
     });
     let service = MountControl {
         data: Arc::downgrade(data),
-        layout,
+        datasets,
         owner: crate::sys::euid(),
         admit_other,
         job: Default::default(),

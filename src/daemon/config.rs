@@ -52,6 +52,9 @@ pub struct MountConfig {
     pub extensions: Vec<String>,
     /// List layout: one relative path per line, line i = sample i.
     pub list_file: Option<PathBuf>,
+    /// The job's dataset directory inside SOURCE (`--dataset`); `None`: found from the job's
+    /// opens (`--sampler auto`), SOURCE itself for a configured order.
+    pub dataset: Option<PathBuf>,
     /// Concurrent copies from the source.
     pub stage_threads: usize,
     /// How far ahead of the reader to stage; `None` is as far as the cache allows.
@@ -97,6 +100,7 @@ impl Default for MountConfig {
             layout: LayoutKind::ImageFolder,
             extensions: DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
             list_file: None,
+            dataset: None,
             // A parallel file system serves many reads at once.
             stage_threads: 16,
             lookahead: None,

@@ -15,7 +15,7 @@ use super::opens::tests::{Answer, FakeBacking, FakeReply};
 use super::xattr::Xattr;
 use super::{STATE_XATTR, STATS_XATTR};
 use crate::cache::CacheDir;
-use crate::catalog::{Catalog, Kind, Layout, LayoutKind};
+use crate::catalog::{Catalog, Datasets, Kind, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{SamplerConfig, SamplerKind};
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, Source, SourceRoot, Stager, StagerSettings};
@@ -56,7 +56,12 @@ fn fixture_with(
     // Kept bound only long enough to leave the socket node behind.
     drop(std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap());
     let catalog = Arc::new(Catalog::scan(&src, 2).unwrap());
-    let layout = Arc::new(Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap());
+    let spec = LayoutSpec {
+        kind: LayoutKind::Tree,
+        ..LayoutSpec::default()
+    };
+    let datasets = Arc::new(Datasets::new(catalog.clone(), spec));
+    let layout = datasets.get(ROOT).unwrap();
     let plan =
         Arc::new(Plan::new(SamplerConfig::new(kind), vec![0], layout, catalog.len()).unwrap());
     let root = Arc::new(SourceRoot::open(&src).unwrap());
@@ -73,14 +78,7 @@ fn fixture_with(
     };
     let counters = Arc::new(Counters::default());
     let source = wrap(LocalSource::new(root.clone()));
-    let stager = Stager::start(
-        catalog.clone(),
-        source,
-        cache,
-        plan,
-        settings,
-        counters.clone(),
-    );
+    let stager = Stager::start(datasets, source, cache, plan, settings, counters.clone());
     let data = Arc::new(MountedDataset {
         catalog,
         stager,

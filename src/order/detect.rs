@@ -65,6 +65,28 @@ pub struct Detection {
     pub epoch: u64,
 }
 
+impl Detection {
+    /// Whether the order reads the dataset in order (no shuffling): what a validation loader
+    /// does too, so such a finding is weaker evidence of the training stream.
+    pub fn in_order(&self) -> bool {
+        self.sampler.kind == SamplerKind::Sequential || !self.sampler.shuffle
+    }
+}
+
+/// Whether a dataset of `len` samples read by `world_size` ranks is large enough for its first
+/// opens to tell an order from chance (see [`Prefix::new`]).
+pub fn judgeable(len: u64, world_size: u32) -> bool {
+    let samples = len.div_ceil(u64::from(world_size.max(1)));
+    (samples / 4).min(MAX_PREFIX) as usize >= 2 * MIN_OPENS
+}
+
+/// Whether the opens read the dataset in order: `shuffle=False`, one replica
+/// ([`SamplerKind::Sequential`]) or a `DistributedSampler(shuffle=False)` share per rank.
+pub fn detect_in_order(len: u64, world_size: u32, opens: &[RankOpens]) -> Option<Detection> {
+    let judge = Judge::new(len, world_size, opens)?;
+    judge.in_order()
+}
+
 /// Looks for the sampler, seed and epoch whose order starts with the observed opens of a
 /// dataset of `len` samples read by `world_size` ranks (the job's `WORLD_SIZE`; 1 when it has
 /// none), trying `hinted_seed` (the mount's `--seed`) first. `None` when no candidate explains
@@ -211,6 +233,37 @@ impl<'a> Judge<'a> {
             whole,
             main_distributed,
             all,
+        })
+    }
+
+    /// The dataset read in order: by one reader (or several reading all of it), or dealt out
+    /// to the ranks as a `DistributedSampler(shuffle=False)` deals it.
+    fn in_order(&self) -> Option<Detection> {
+        let identity = |prefix: &Prefix, stride: u64| {
+            let mut next = if stride == 1 {
+                0
+            } else {
+                u64::from(prefix.rank)
+            };
+            prefix.matches(|| {
+                let index = (next < self.len).then_some(next as u32);
+                next += stride;
+                index
+            })
+        };
+        let stride = u64::from(self.world_size);
+        if let Some(main) = &self.main_distributed {
+            let samples = self.len.div_ceil(stride);
+            if identity(main, stride) && self.others(main, samples).all(|p| identity(&p, stride)) {
+                let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+                sampler.shuffle = false;
+                sampler.world_size = self.world_size;
+                return Some(Detection { sampler, epoch: 0 });
+            }
+        }
+        identity(&self.whole, 1).then(|| Detection {
+            sampler: SamplerConfig::new(SamplerKind::Sequential),
+            epoch: 0,
         })
     }
 
@@ -686,6 +739,30 @@ mod tests {
         let opens = [opens_of(&cfg, 2000, 0, 0)];
         let found = detect(2000, 1, Some(987_654_321), &opens, &KEEP_ON).unwrap();
         assert_eq!(found.sampler.seed, 987_654_321);
+    }
+
+    #[test]
+    fn in_order_reads_are_found_as_such() {
+        let seq = SamplerConfig::new(SamplerKind::Sequential);
+        let found = detect_in_order(3000, 1, &[opens_of(&seq, 3000, 0, 0)]).unwrap();
+        assert_eq!(found.sampler.kind, SamplerKind::Sequential);
+        assert!(found.in_order());
+        let mut unshuffled = SamplerConfig::new(SamplerKind::TorchDistributed);
+        unshuffled.shuffle = false;
+        unshuffled.world_size = 2;
+        let opens = [
+            opens_of(&unshuffled, 3000, 0, 0),
+            opens_of(&unshuffled, 3000, 0, 1),
+        ];
+        let found = detect_in_order(3000, 2, &opens).unwrap();
+        assert_eq!(
+            (found.sampler.kind, found.sampler.shuffle),
+            (SamplerKind::TorchDistributed, false)
+        );
+        let mut shuffled = SamplerConfig::new(SamplerKind::TorchRandom);
+        shuffled.seed = 3;
+        assert!(detect_in_order(3000, 1, &[opens_of(&shuffled, 3000, 0, 0)]).is_none());
+        assert!(!judgeable(255, 1) && judgeable(512, 1) && !judgeable(500, 2));
     }
 
     #[test]

@@ -5,19 +5,24 @@
 //! read at about the same pace (`r0[0], r1[0], r0[1], r1[1], ...`; a shorter stream simply
 //! ends). An epoch may be announced again (a rank joins late, the job restarts): the newest
 //! announcement of each rank counts, and [`Feed::version`] tells plans built before it to go.
-
+//!
+//! A job iterates several loaders: training, and validation between epochs (Lightning even
+//! runs a validation "sanity check" before the first training epoch). Each announces as a
+//! stream of its own ([`StreamKey`]), with its own epoch count. One stream is followed and
+//! planned: the training loader's, told apart as the one that shuffles, and among several the
+//! longest. The others are only remembered, so their opens are told apart from the followed
+//! stream's and never judged against its prediction.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::catalog::FileId;
+use crate::catalog::{FileId, FileSet};
 
 /// Announced epochs kept on either side of the one just announced: the reader's, the ones
-/// before (ranks finishing them) and the next, with room for a validation loader's epochs
-/// interleaved with training ones. Counted from the latest announcement, not the largest
-/// epoch, so a restarted job announcing epoch 0 again is not discarded as old.
+/// before (ranks finishing them) and the next. Counted from the latest announcement, not the
+/// largest epoch, so a restarted job announcing epoch 0 again is not discarded as old.
 const KEPT_EPOCHS: u64 = 4;
 /// Ranks one epoch may be announced by: a node's processes, with room to spare (a node has
 /// 8 or 16 GPUs), and a bound on what an announcing client can make the daemon hold.
@@ -25,6 +30,9 @@ pub const MAX_RANKS: usize = 256;
 /// Files held for all announced epochs together (4 bytes each: 1 GiB): two epochs of every
 /// rank of a node over the largest public datasets, and a bound a client cannot push past.
 pub const MAX_HELD: usize = 1 << 28;
+/// Streams besides the followed one remembered (a job has a validation and maybe a test
+/// loader); a bound on what announcing clients can make the daemon hold.
+pub const MAX_OTHER_STREAMS: usize = 8;
 
 /// Why an announcement was not taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -35,11 +43,51 @@ pub enum FeedError {
     TooLarge,
 }
 
+/// Which of the job's loaders an announcement comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct StreamKey {
+    /// What the hook calls it: the dataset's root under the mount (`train`, `val`).
+    pub name: String,
+    /// Whether its sampler shuffles (a training loader; validation reads in order).
+    pub shuffled: bool,
+}
+
+impl StreamKey {
+    /// Whether a stream announcing `len` files per rank is the training stream rather than
+    /// this one, which announced `followed_len`: a shuffling loader over one in order, then
+    /// the longer.
+    fn outranked_by(&self, other: &StreamKey, len: usize, followed_len: usize) -> bool {
+        (other.shuffled, len) > (self.shuffled, followed_len)
+    }
+}
+
+/// What became of an announcement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Taken {
+    /// An epoch of the followed stream; `len` is the node stream's new length for it, and
+    /// `switched` says the followed stream changed to this one (what was announced before
+    /// belongs to another loader: plans made from it are void).
+    Followed { len: u64, switched: bool },
+    /// Another stream's: remembered, not planned.
+    Other,
+}
+
 #[derive(Default)]
 pub struct Feed {
-    epochs: Mutex<BTreeMap<u64, Announced>>,
+    state: Mutex<FeedState>,
     /// Counts announcements: each one's number is its epoch's version.
     version: AtomicU64,
+}
+
+#[derive(Default)]
+struct FeedState {
+    /// The stream planned, and the most files a rank announced for one of its epochs.
+    followed: Option<(StreamKey, usize)>,
+    epochs: BTreeMap<u64, Announced>,
+    /// Every file the followed stream announced.
+    members: FileSet,
+    /// The other streams, and the files each announced.
+    others: Vec<(StreamKey, FileSet)>,
 }
 
 /// What the ranks announced for one epoch.
@@ -52,12 +100,37 @@ struct Announced {
 }
 
 impl Feed {
-    /// Files `rank` reads in `epoch`, replacing what it announced for that epoch before.
-    /// Returns the node stream's new length for that epoch. Epochs far from it go.
-    pub fn announce(&self, epoch: u64, rank: u32, files: Arc<[FileId]>) -> Result<u64, FeedError> {
-        let mut epochs = self.epochs.lock();
-        epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
-        let held: usize = epochs
+    /// Files `rank` reads in `epoch` of `stream`, replacing what it announced for that epoch
+    /// before. Epochs far from it go.
+    pub fn announce(
+        &self,
+        stream: &StreamKey,
+        epoch: u64,
+        rank: u32,
+        files: Arc<[FileId]>,
+    ) -> Result<Taken, FeedError> {
+        let mut st = self.state.lock();
+        let switched = match &st.followed {
+            None => true,
+            Some((key, _)) if key == stream => false,
+            Some((key, len)) if key.outranked_by(stream, files.len(), *len) => true,
+            Some(_) => {
+                st.remember_other(stream, &files);
+                return Ok(Taken::Other);
+            }
+        };
+        if switched {
+            st.others.retain(|(key, _)| key != stream);
+            if let Some((old, _)) = st.followed.take() {
+                let old_members = std::mem::take(&mut st.members);
+                st.others.push((old, old_members));
+                st.others.truncate(MAX_OTHER_STREAMS);
+            }
+            st.epochs.clear();
+        }
+        st.epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
+        let held: usize = st
+            .epochs
             .iter()
             .flat_map(|(&e, a)| {
                 a.ranks
@@ -69,32 +142,73 @@ impl Feed {
         if held + files.len() > MAX_HELD {
             return Err(FeedError::TooLarge);
         }
-        let announced = epochs.entry(epoch).or_default();
+        let announced = st.epochs.entry(epoch).or_default();
         if !announced.ranks.contains_key(&rank) && announced.ranks.len() >= MAX_RANKS {
             return Err(FeedError::TooManyRanks { epoch });
         }
-        announced.ranks.insert(rank, files);
+        announced.ranks.insert(rank, files.clone());
         announced.version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
-        Ok(announced.ranks.values().map(|f| f.len() as u64).sum())
+        let len = announced.ranks.values().map(|f| f.len() as u64).sum();
+        let most = st.followed.as_ref().map_or(0, |(_, n)| *n).max(files.len());
+        st.followed = Some((stream.clone(), most));
+        st.members.extend(files.iter().copied());
+        Ok(Taken::Followed { len, switched })
+    }
+
+    /// Whether the followed stream announced `file`.
+    pub fn contains(&self, file: FileId) -> bool {
+        self.state.lock().members.contains(file)
+    }
+
+    /// The followed stream, once one announced.
+    pub fn followed(&self) -> Option<StreamKey> {
+        self.state
+            .lock()
+            .followed
+            .as_ref()
+            .map(|(key, _)| key.clone())
+    }
+
+    /// The name of the other stream that announced `file`, if one did.
+    pub fn other_stream_of(&self, file: FileId) -> Option<String> {
+        let st = self.state.lock();
+        st.others
+            .iter()
+            .find(|(_, files)| files.contains(file))
+            .map(|(key, _)| key.name.clone())
     }
 
     /// Changes whenever `epoch` is announced: a plan built from an older version is stale.
     pub fn version_of(&self, epoch: u64) -> u64 {
-        self.epochs.lock().get(&epoch).map_or(0, |a| a.version)
+        self.state
+            .lock()
+            .epochs
+            .get(&epoch)
+            .map_or(0, |a| a.version)
     }
 
     /// Ranks that announced `epoch`.
     pub fn ranks(&self, epoch: u64) -> Vec<u32> {
-        self.epochs
+        self.state
             .lock()
+            .epochs
             .get(&epoch)
             .map(|a| a.ranks.keys().copied().collect())
             .unwrap_or_default()
     }
 
+    /// Files announced for `epoch`, all ranks together.
+    pub fn announced_len(&self, epoch: u64) -> u64 {
+        self.state
+            .lock()
+            .epochs
+            .get(&epoch)
+            .map_or(0, |a| a.ranks.values().map(|f| f.len() as u64).sum())
+    }
+
     /// The node's stream of `epoch`: its ranks' streams in lock-step (empty if unannounced).
     pub fn node_stream(&self, epoch: u64) -> Vec<FileId> {
-        let streams: Vec<Arc<[FileId]>> = match self.epochs.lock().get(&epoch) {
+        let streams: Vec<Arc<[FileId]>> = match self.state.lock().epochs.get(&epoch) {
             Some(announced) => announced.ranks.values().cloned().collect(),
             None => return Vec::new(),
         };
@@ -107,26 +221,105 @@ impl Feed {
     }
 }
 
+impl FeedState {
+    /// Remembers the files another stream announced (the newest streams kept).
+    fn remember_other(&mut self, stream: &StreamKey, files: &[FileId]) {
+        match self.others.iter_mut().find(|(key, _)| key == stream) {
+            Some((_, set)) => set.extend(files.iter().copied()),
+            None => {
+                if self.others.len() >= MAX_OTHER_STREAMS {
+                    self.others.remove(0);
+                }
+                let mut set = FileSet::default();
+                set.extend(files.iter().copied());
+                self.others.push((stream.clone(), set));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn train() -> StreamKey {
+        StreamKey {
+            name: "train".into(),
+            shuffled: true,
+        }
+    }
+
+    fn len(taken: Result<Taken, FeedError>) -> u64 {
+        match taken.unwrap() {
+            Taken::Followed { len, .. } => len,
+            Taken::Other => panic!("not followed"),
+        }
+    }
+
+    /// Lightning's order of loaders: a validation sanity check, then training, then
+    /// validation again. Training is followed from its first announcement on; validation's
+    /// files are its own stream's.
+    #[test]
+    fn the_shuffling_loader_is_followed_and_validation_is_another_stream() {
+        let feed = Feed::default();
+        let val = StreamKey {
+            name: "val".into(),
+            shuffled: false,
+        };
+        assert_eq!(
+            feed.announce(&val, 0, 0, vec![100, 101].into()),
+            Ok(Taken::Followed {
+                len: 2,
+                switched: true
+            })
+        );
+        assert_eq!(
+            feed.announce(&train(), 0, 0, vec![5, 1, 3].into()),
+            Ok(Taken::Followed {
+                len: 3,
+                switched: true
+            })
+        );
+        assert_eq!(
+            feed.announce(&val, 1, 0, vec![100, 101].into()),
+            Ok(Taken::Other)
+        );
+        assert_eq!(feed.followed(), Some(train()));
+        assert_eq!(feed.node_stream(0), [5, 1, 3]);
+        assert!(feed.contains(3) && !feed.contains(100));
+        assert_eq!(feed.other_stream_of(101).as_deref(), Some("val"));
+        assert_eq!(feed.other_stream_of(5), None);
+        // A longer shuffling loader is the training one; a shorter one is not.
+        let small = StreamKey {
+            name: "subset".into(),
+            shuffled: true,
+        };
+        assert_eq!(
+            feed.announce(&small, 0, 0, vec![9].into()),
+            Ok(Taken::Other)
+        );
+        assert_eq!(feed.followed(), Some(train()));
+    }
 
     #[test]
     fn ranks_per_epoch_are_bounded_and_a_refusal_changes_nothing() {
         let feed = Feed::default();
         for rank in 0..MAX_RANKS as u32 {
-            feed.announce(0, rank, vec![rank].into()).unwrap();
+            feed.announce(&train(), 0, rank, vec![rank].into()).unwrap();
         }
         let v = feed.version_of(0);
         assert_eq!(
-            feed.announce(0, 9999, vec![1].into()),
+            feed.announce(&train(), 0, 9999, vec![1].into()),
             Err(FeedError::TooManyRanks { epoch: 0 })
         );
         assert_eq!(feed.version_of(0), v);
         // A rank already there may announce again.
         assert_eq!(
-            feed.announce(0, 3, vec![7, 7].into()),
-            Ok(MAX_RANKS as u64 + 1)
+            feed.announce(&train(), 0, 3, vec![7, 7].into()),
+            Ok(Taken::Followed {
+                len: MAX_RANKS as u64 + 1,
+                switched: false
+            })
         );
     }
 
@@ -135,13 +328,16 @@ mod tests {
         let feed = Feed::default();
         assert!(feed.node_stream(0).is_empty());
         assert_eq!(feed.version_of(0), 0);
-        assert_eq!(feed.announce(0, 1, vec![10, 11, 12].into()).unwrap(), 3);
+        assert_eq!(
+            len(feed.announce(&train(), 0, 1, vec![10, 11, 12].into())),
+            3
+        );
         let v = feed.version_of(0);
-        assert_eq!(feed.announce(0, 0, vec![1, 2].into()).unwrap(), 5);
+        assert_eq!(len(feed.announce(&train(), 0, 0, vec![1, 2].into())), 5);
         assert!(feed.version_of(0) > v);
         assert_eq!(feed.version_of(1), 0);
         assert_eq!(feed.node_stream(0), [1, 10, 2, 11, 12]);
-        assert_eq!(feed.announce(0, 0, vec![3].into()).unwrap(), 4);
+        assert_eq!(len(feed.announce(&train(), 0, 0, vec![3].into())), 4);
         assert_eq!(feed.node_stream(0), [3, 10, 11, 12]);
         assert_eq!(feed.ranks(0), [0, 1]);
         assert!(feed.node_stream(1).is_empty());
@@ -151,14 +347,14 @@ mod tests {
     fn old_epochs_are_forgotten() {
         let feed = Feed::default();
         for epoch in 0..10 {
-            feed.announce(epoch, 0, vec![epoch as FileId].into())
+            feed.announce(&train(), epoch, 0, vec![epoch as FileId].into())
                 .unwrap();
         }
         assert!(feed.node_stream(5).is_empty());
         assert_eq!(feed.node_stream(6), [6]);
         assert_eq!(feed.node_stream(9), [9]);
         // A restarted job starts at 0 again: that is kept, the old run's epochs go.
-        feed.announce(0, 0, vec![0].into()).unwrap();
+        feed.announce(&train(), 0, 0, vec![0].into()).unwrap();
         assert_eq!(feed.node_stream(0), [0]);
         assert!(feed.node_stream(9).is_empty());
     }

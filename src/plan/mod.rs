@@ -21,7 +21,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
-pub use feed::{Feed, FeedError};
+pub use feed::{Feed, FeedError, StreamKey};
 pub use tracker::{Run, Tracker, TrackerMode, TrackerSettings, densest_run, find_position, reach};
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"
@@ -143,6 +143,20 @@ impl EpochPlan {
     }
 }
 
+/// What an announcement changed in a fed plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FedChange {
+    /// Planned as it was (or the plan does not follow announcements).
+    Nothing,
+    /// The epoch length grew to fit it: every position moved.
+    Grown,
+    /// The job's training loader announced for the first time: the plan follows its stream
+    /// from now on, and what another loader announced before is dropped.
+    Switched,
+    /// Another loader's (validation): not planned.
+    Other,
+}
+
 /// How a prediction came about, for the statistics and the messages about it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Provenance {
@@ -154,18 +168,24 @@ pub enum Provenance {
     Announced,
 }
 
-/// What is predicted: the sampler and the node's ranks.
-#[derive(Clone, Debug)]
+/// What is predicted: the sampler, the node's ranks, and the dataset whose samples it orders.
+#[derive(Clone)]
 pub struct Order {
     pub sampler: SamplerConfig,
     pub ranks: Vec<u32>,
     pub provenance: Provenance,
+    /// The dataset the sampler's indices number (a fed order's files come with it).
+    pub layout: Arc<Layout>,
 }
 
 impl Order {
     /// The flags that name this prediction on a mount's command line.
     pub fn flags(&self, epoch: u64) -> String {
-        self.sampler.flags(&self.ranks, epoch)
+        let flags = self.sampler.flags(&self.ranks, epoch);
+        match self.layout.name() {
+            "." => flags,
+            dataset => format!("{flags} --dataset {dataset}"),
+        }
     }
 }
 
@@ -175,7 +195,6 @@ pub struct Plan {
     /// announcing it; `generation` counts the replacements.
     order: RwLock<Arc<Order>>,
     generation: AtomicU64,
-    layout: Arc<Layout>,
     /// Number of catalog entries (file ids are below this).
     id_space: usize,
     /// Positions per epoch. Fixed by the first epoch for computed orders; for a fed order,
@@ -207,9 +226,9 @@ impl Plan {
                 } else {
                     Provenance::Configured
                 },
+                layout,
             })),
             generation: AtomicU64::new(0),
-            layout,
             id_space,
             epoch_len: AtomicU64::new(0),
             feed: Feed::default(),
@@ -228,12 +247,9 @@ impl Plan {
     /// Computes, off any lock, what [`adopt`](Self::adopt) switches to: `order` and its plan
     /// of `epoch`.
     pub fn prepare(&self, order: Order, epoch: u64) -> Result<Prepared, OrderError> {
-        order
-            .sampler
-            .validate(self.layout.len() as u64, &order.ranks)?;
-        order
-            .sampler
-            .check_epoch_reachable(self.layout.len() as u64, epoch)?;
+        let len = order.layout.len() as u64;
+        order.sampler.validate(len, &order.ranks)?;
+        order.sampler.check_epoch_reachable(len, epoch)?;
         let stream = self.stream_of(&order, epoch);
         if stream.is_empty() {
             return Err(OrderError::EmptyDataset);
@@ -279,10 +295,12 @@ impl Plan {
     /// Nothing is predicted until the first one.
     pub fn follow_announcements(&self) {
         let mut epochs = self.epochs.lock();
+        let layout = self.layout();
         *self.order.write() = Arc::new(Order {
             sampler: SamplerConfig::new(SamplerKind::Feed),
             ranks: vec![0],
             provenance: Provenance::Announced,
+            layout,
         });
         self.epoch_len.store(0, Ordering::SeqCst);
         self.generation.fetch_add(1, Ordering::SeqCst);
@@ -323,16 +341,57 @@ impl Plan {
         }
     }
 
-    /// Takes what `rank` announced it reads in `epoch`. Returns whether the epoch length grew
-    /// to fit it: positions then mean other places, and the caller (holding the stager's lock)
-    /// must move the tracker to the new coordinates before anyone uses one.
-    pub fn announce(&self, epoch: u64, rank: u32, files: Arc<[FileId]>) -> Result<bool, FeedError> {
+    /// Files the job announced for `epoch` of the followed stream (all ranks).
+    pub fn announced_len(&self, epoch: u64) -> u64 {
+        self.feed.announced_len(epoch)
+    }
+
+    /// The followed stream's name and whether it shuffles, once the job announced one.
+    pub fn followed_stream(&self) -> Option<StreamKey> {
+        self.feed.followed()
+    }
+
+    /// The other announced stream `file` belongs to, if any.
+    pub fn other_stream_of(&self, file: FileId) -> Option<String> {
+        self.feed.other_stream_of(file)
+    }
+
+    /// Takes what `rank` announced it reads in `epoch` of `stream`, and says what changed
+    /// ([`FedChange`]): the caller, holding the stager's lock, moves the tracker when positions
+    /// now mean other places.
+    pub fn announce(
+        &self,
+        stream: &StreamKey,
+        epoch: u64,
+        rank: u32,
+        files: Arc<[FileId]>,
+    ) -> Result<FedChange, FeedError> {
         if !self.is_fed() {
-            return Ok(false);
+            return Ok(FedChange::Nothing);
         }
-        let len = self.feed.announce(epoch, rank, files)?;
+        let (len, switched) = match self.feed.announce(stream, epoch, rank, files)? {
+            feed::Taken::Other => return Ok(FedChange::Other),
+            feed::Taken::Followed { len, switched } => (len, switched),
+        };
+        if switched {
+            // Another loader's epochs were planned: they go, and the length starts over.
+            let mut epochs = self.epochs.lock();
+            self.generation.fetch_add(1, Ordering::SeqCst);
+            epochs.recent.clear();
+            self.epoch_len.store(0, Ordering::SeqCst);
+        }
+        let grew = self.grow_epoch_len(epoch, len);
+        Ok(match (switched, grew) {
+            (true, _) => FedChange::Switched,
+            (false, true) => FedChange::Grown,
+            (false, false) => FedChange::Nothing,
+        })
+    }
+
+    /// Makes a fed epoch of `len` positions fit; whether the epoch length grew.
+    fn grow_epoch_len(&self, epoch: u64, len: u64) -> bool {
         if len <= self.epoch_len() {
-            return Ok(false);
+            return false;
         }
         // Room for every file once or more, so a job's later, longer epochs (another loader,
         // more ranks announcing) rarely grow it again; a power of two keeps it stable.
@@ -346,10 +405,10 @@ impl Plan {
             );
         }
         if grown <= self.epoch_len() {
-            return Ok(false);
+            return false;
         }
         self.epoch_len.store(grown, Ordering::SeqCst);
-        Ok(true)
+        true
     }
 
     /// The announcement version `plan` must have been built from to be current.
@@ -371,9 +430,21 @@ impl Plan {
         self.order.read().ranks.clone()
     }
 
-    /// How sample indices map to files (what a fed order of indices goes through).
-    pub fn layout(&self) -> &Arc<Layout> {
-        &self.layout
+    /// How sample indices map to files: the dataset the order numbers.
+    pub fn layout(&self) -> Arc<Layout> {
+        self.order.read().layout.clone()
+    }
+
+    /// Whether an open of `file` belongs to the predicted stream: a sample of its dataset, or
+    /// for a fed order, a file the followed stream announced. Other opens (a validation set,
+    /// a label file) are another stream's, never judged against this one.
+    pub fn is_member(&self, file: FileId) -> bool {
+        let order = self.order.read();
+        if order.sampler.kind == SamplerKind::Feed {
+            self.feed.contains(file)
+        } else {
+            order.layout.contains(file)
+        }
     }
 
     /// Refuses an epoch whose positions do not fit in 64 bits, and one that would take
@@ -393,7 +464,7 @@ impl Plan {
             });
         }
         self.sampler()
-            .check_epoch_reachable(self.layout.len() as u64, epoch)
+            .check_epoch_reachable(self.layout().len() as u64, epoch)
     }
 
     /// The plan of `epoch`, computed on first use (or when a newer announcement made it
@@ -464,7 +535,7 @@ impl Plan {
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
         let indices = order
             .sampler
-            .node_order(self.layout.len() as u64, epoch, &order.ranks)
+            .node_order(order.layout.len() as u64, epoch, &order.ranks)
             .unwrap_or_else(|e| {
                 log::error!(
                     "cannot predict epoch {epoch}: {e}; its files are cached as they are read"
@@ -473,7 +544,7 @@ impl Plan {
             });
         indices
             .into_iter()
-            .map(|i| MaybeFile::new(self.layout.file_of(i)))
+            .map(|i| MaybeFile::new(order.layout.file_of(i)))
             .collect()
     }
 

@@ -2,9 +2,19 @@
 //! ([`crate::order::detect`]) off the open path; the stager switches to what is found.
 //!
 //! Until then the mount serves on demand. Searches run at growing numbers of opens (a job may
-//! start with a few stray opens, and more opens make a match more certain); after the last
-//! one the mount stays on demand and says so. An order the job announces (the feed hook)
-//! takes precedence: it ends the detection.
+//! start with a few stray opens, and more opens make a match more certain), the last one by
+//! the end of the job's first epoch; if that one finds nothing the mount stays on demand and
+//! says why, in the statistics and the log. An order the job announces (the feed hook) takes
+//! precedence: it ends the detection.
+//!
+//! Which dataset: a mount of a dataset's root holds `train/` and `val/`, and the job reads
+//! `ImageFolder(MNT/train)`, numbered from `train/`, with a validation pass between epochs. So
+//! each search looks at the directories the opens come from: every directory at least two
+//! levels above an opened file (what an `ImageFolder` rooted there would number), the most
+//! telling first — the deepest one holding most opens (`train/`, not the root that also holds
+//! validation's), then the others. An order found reading in order (a validation loader, or a
+//! training loader without shuffling) is taken only when no shuffled one explains another
+//! directory's opens, by the last search.
 //!
 //! A search judges the opens made before it started. If a new reader (a DataLoader worker
 //! process, a reading thread) opens its first file meanwhile, those may not include the
@@ -15,20 +25,21 @@
 //! first rounds only. A loader without persistent workers starts new worker processes every
 //! epoch, and a search restarted for each would never end (nor ever say nothing was found).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
 use super::Inner;
-use crate::catalog::{FileId, Layout};
+use crate::catalog::{Catalog, Datasets, FileId, Kind, Layout, LayoutKind, ROOT};
 use crate::order::SamplerKind;
 use crate::order::detect::{self, Detection, RankOpens};
 use crate::plan::{Order, Provenance, TrackerMode};
 
 /// Opens of the busiest rank at which a search runs: the first as soon as a match can mean
-/// something, the later ones for loaders that start with stray opens or many workers.
+/// something, the later ones for loaders that start with stray opens or many workers. Each is
+/// brought forward to the end of the first epoch, where the last search runs at the latest.
 const SEARCH_AT: [usize; 4] = [detect::MIN_OPENS, 256, 1024, 4096];
 /// Opens kept per rank: enough for the last search.
 const KEPT_OPENS: usize = 4096;
@@ -41,6 +52,9 @@ const KEPT_OPENERS: usize = 1024;
 /// without persistent workers: restarting for them only throws away the longest searches.
 const RESTARTS_PER_ROUND: usize = 2;
 const RESTARTING_ROUNDS: usize = 2;
+/// Dataset directories one search tries: the one most opens come from, and the runners-up
+/// (a validation set, the root holding both).
+const MAX_CANDIDATES: usize = 3;
 
 /// Which of the job's ranks opened a file, from the launcher's environment of the opener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,8 +90,8 @@ pub enum DetectionState {
     Searching { opens: usize },
     /// Found, as these flags would have said.
     Found(String),
-    /// Nothing explains the first opens: on demand for the rest of the mount.
-    NotFound { opens: usize },
+    /// Nothing explains the first opens: on demand for the rest of the mount, and why.
+    NotFound { opens: usize, why: String },
     /// The job announces its order.
     Announced,
 }
@@ -86,17 +100,18 @@ pub enum DetectionState {
 /// previous round's opens ended.
 struct Search {
     launch: JobRank,
-    opens: Vec<RankOpens>,
+    opens: Vec<(u32, Vec<FileId>)>,
     previous: usize,
+    /// Whether this is the last round: an order read in order is taken now, or never.
+    last: bool,
 }
 
 /// The detection's state: the opens seen, and whether a search is running.
 struct Observed {
     state: DetectionState,
-    /// Sample index of each catalog id (`u32::MAX`: no sample); freed when detection ends
-    /// (4 bytes per catalog entry).
-    index_of: Vec<u32>,
-    by_rank: BTreeMap<u32, Vec<u32>>,
+    by_rank: BTreeMap<u32, Vec<FileId>>,
+    /// Opens under each directory that could be the dataset's root (see the module's note).
+    by_root: HashMap<FileId, usize>,
     /// The threads that opened files so far (see the module's note).
     openers: HashSet<u32>,
     launch: JobRank,
@@ -110,30 +125,23 @@ pub(super) struct Detector {
     /// Set while opens are wanted: the FUSE layer reads the opener's environment only then.
     active: AtomicBool,
     observed: Mutex<Observed>,
-    /// Set while a search runs when a new reader opened its first file: the search stops and
-    /// starts again with the opens so far.
+    /// Set while a search runs when a new reader opened its first file meanwhile: the search
+    /// stops and starts again with the opens so far.
     give_up: AtomicBool,
+    datasets: Arc<Datasets>,
+    /// How many files each directory holds, all levels down (the first epoch's length).
+    files_below: HashMap<FileId, u32>,
 }
 
 impl Detector {
-    pub(super) fn new(layout: &Layout, id_space: usize) -> Detector {
-        let mut index_of = vec![u32::MAX; id_space];
-        for index in 0..layout.len() as u32 {
-            if let Some(file) = layout.file_of(index)
-                && let Some(slot) = index_of.get_mut(file as usize)
-            {
-                // The first sample of a file that several samples name.
-                if *slot == u32::MAX {
-                    *slot = index;
-                }
-            }
-        }
+    pub(super) fn new(datasets: Arc<Datasets>) -> Detector {
+        let files_below = files_below(datasets.catalog());
         Detector {
             active: AtomicBool::new(true),
             observed: Mutex::new(Observed {
                 state: DetectionState::Searching { opens: 0 },
-                index_of,
                 by_rank: BTreeMap::new(),
+                by_root: HashMap::new(),
                 openers: HashSet::new(),
                 launch: JobRank::ALONE,
                 searching: false,
@@ -141,6 +149,8 @@ impl Detector {
                 restarts: 0,
             }),
             give_up: AtomicBool::new(false),
+            datasets,
+            files_below,
         }
     }
 
@@ -164,8 +174,23 @@ impl Detector {
         ob.state = state;
         ob.searching = false;
         ob.by_rank = BTreeMap::new();
+        ob.by_root = HashMap::new();
         ob.openers = HashSet::new();
-        ob.index_of = Vec::new();
+    }
+
+    /// The directories `file` could be a sample of, deepest first: those at least two levels
+    /// above it for an ImageFolder (a class folder between), one for the other layouts;
+    /// only `--dataset` if given.
+    fn roots_of(&self, file: FileId) -> Vec<FileId> {
+        if let Some(root) = self.datasets.named_root() {
+            return vec![root];
+        }
+        let catalog = self.datasets.catalog();
+        let skip = match self.datasets.spec().kind {
+            LayoutKind::ImageFolder => 2,
+            LayoutKind::Tree | LayoutKind::List => 1,
+        };
+        ancestors(catalog, file).skip(skip - 1).collect()
     }
 
     /// Records an open by thread `opener`; returns what to search if a search is due now.
@@ -173,11 +198,8 @@ impl Detector {
         if !self.is_active() {
             return None;
         }
+        let roots = self.roots_of(file);
         let mut ob = self.observed.lock();
-        let index = *ob.index_of.get(file as usize)?;
-        if index == u32::MAX {
-            return None;
-        }
         // The most telling environment seen: the largest world, then one with the local ranks
         // (an opener without a launcher's environment tells nothing).
         let launch = ob.launch;
@@ -190,7 +212,10 @@ impl Detector {
         }
         let opens = ob.by_rank.entry(rank.rank).or_default();
         if opens.len() < KEPT_OPENS {
-            opens.push(index);
+            opens.push(file);
+            for root in roots {
+                *ob.by_root.entry(root).or_default() += 1;
+            }
         }
         if ob.openers.len() < KEPT_OPENERS
             && ob.openers.insert(opener)
@@ -210,14 +235,36 @@ impl Detector {
         // local rank the launcher names, a little while.
         let local_ranks = ob.launch.local.map_or(1, |(_, size)| size as usize);
         let all_ranks_in = ob.by_rank.len() >= local_ranks || busiest >= 4 * detect::MIN_OPENS;
-        let due = SEARCH_AT.get(ob.searches_done)? <= &busiest && all_ranks_in;
+        let rounds = self.rounds(&ob);
+        let due = rounds.get(ob.searches_done)? <= &busiest && all_ranks_in;
         if !due || ob.searching {
             return None;
         }
         ob.searching = true;
         ob.searches_done += 1;
         ob.restarts = 0;
-        Some(self.search_of(&ob))
+        Some(self.search_of(&ob, ob.searches_done == rounds.len()))
+    }
+
+    /// The busiest rank's opens at which each round searches: [`SEARCH_AT`], the last no
+    /// later than the end of the first epoch of the dataset most opens come from.
+    fn rounds(&self, ob: &Observed) -> Vec<usize> {
+        let epoch = self.likely_root(ob).map_or(usize::MAX, |root| {
+            let files = self.files_below.get(&root).copied().unwrap_or(0) as usize;
+            files.div_ceil(ob.launch.world_size.max(1) as usize)
+        });
+        let last = epoch.clamp(detect::MIN_OPENS, SEARCH_AT[SEARCH_AT.len() - 1]);
+        let mut rounds: Vec<usize> = SEARCH_AT.iter().map(|&at| at.min(last)).collect();
+        rounds.dedup();
+        rounds
+    }
+
+    /// The directory the job's dataset most likely is: the deepest holding three quarters of
+    /// the opens the busiest one holds (`train/`, not the root holding `train/` and `val/`).
+    fn likely_root(&self, ob: &Observed) -> Option<FileId> {
+        candidates(self.datasets.catalog(), &ob.by_root)
+            .into_iter()
+            .next()
     }
 
     /// What a search given up searches instead: the opens so far, in the same round. `None`
@@ -228,38 +275,40 @@ impl Detector {
             return None;
         }
         ob.restarts += 1;
-        Some(self.search_of(&ob))
+        let last = ob.searches_done == self.rounds(&ob).len();
+        Some(self.search_of(&ob, last))
     }
 
     /// A search of the opens so far, in round `searches_done`.
-    fn search_of(&self, ob: &Observed) -> Search {
+    fn search_of(&self, ob: &Observed, last: bool) -> Search {
         self.give_up.store(false, Ordering::Relaxed);
         Search {
             launch: ob.launch,
             opens: ob
                 .by_rank
                 .iter()
-                .map(|(&rank, indices)| RankOpens {
-                    rank,
-                    indices: indices.clone(),
-                })
+                .map(|(&rank, files)| (rank, files.clone()))
                 .collect(),
             previous: ob.searches_done.checked_sub(2).map_or(0, |i| SEARCH_AT[i]),
+            last,
         }
     }
 
-    /// A search ended without a result.
-    fn not_found(&self) {
+    /// The dataset directories a search tries, most telling first (see the module's note).
+    fn search_roots(&self) -> Vec<FileId> {
+        let ob = self.observed.lock();
+        candidates(self.datasets.catalog(), &ob.by_root)
+    }
+
+    /// A search ended without a result: after the last round, the detection ends saying `why`.
+    fn not_found(&self, why: String) {
         let mut ob = self.observed.lock();
         ob.searching = false;
-        if ob.searches_done == SEARCH_AT.len() && ob.state != DetectionState::Announced {
+        if ob.searches_done >= self.rounds(&ob).len() && ob.state != DetectionState::Announced {
             let opens = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
             drop(ob);
-            self.finish(DetectionState::NotFound { opens });
-            log::warn!(
-                "--sampler auto: no sampler stagefs knows explains the job's first {opens} opens; caching files as they are read. \
-                 Name the order with --sampler/--seed (`stagefs order` shows one), or let the job announce it (`eval $(stagefs feed-env)` before it starts)"
-            );
+            log::warn!("--sampler auto: order not found: {why}");
+            self.finish(DetectionState::NotFound { opens, why });
         }
     }
 
@@ -271,6 +320,93 @@ impl Detector {
     fn found(&self, flags: String) {
         self.finish(DetectionState::Found(flags));
     }
+}
+
+/// `file`'s directories, from its parent up to SOURCE's root.
+fn ancestors(catalog: &Catalog, file: FileId) -> impl Iterator<Item = FileId> + '_ {
+    let parent = move |id: FileId| (id != ROOT).then(|| catalog.entry(id).map(|e| e.parent))?;
+    std::iter::successors(parent(file), move |&dir| parent(dir))
+}
+
+/// How deep a directory is below SOURCE's root.
+fn depth(catalog: &Catalog, dir: FileId) -> usize {
+    ancestors(catalog, dir).count()
+}
+
+/// Dataset roots to try for opens counted per root ([`Observed::by_root`]): first the deepest
+/// holding three quarters of what the busiest holds, then the others by their opens, while
+/// they hold a quarter of the busiest's and at least a search's worth.
+fn candidates(catalog: &Catalog, by_root: &HashMap<FileId, usize>) -> Vec<FileId> {
+    let most = by_root.values().copied().max().unwrap_or(0);
+    let mut roots: Vec<(FileId, usize)> = by_root
+        .iter()
+        .map(|(&r, &n)| (r, n))
+        .filter(|&(_, n)| n >= detect::MIN_OPENS.max(most / 4))
+        .collect();
+    // Most opens first, the deeper of two alike first (ids are breadth-first: deeper is later).
+    roots.sort_by_key(|&(r, n)| (std::cmp::Reverse(n), std::cmp::Reverse(r)));
+    let likely = roots
+        .iter()
+        .filter(|&&(_, n)| 4 * n >= 3 * most)
+        .max_by_key(|&&(r, _)| depth(catalog, r))
+        .map(|&(r, _)| r);
+    let mut out: Vec<FileId> = likely.into_iter().collect();
+    out.extend(roots.iter().map(|&(r, _)| r).filter(|r| Some(*r) != likely));
+    out.truncate(MAX_CANDIDATES);
+    out
+}
+
+/// Files below every directory, all levels down. Ids are breadth-first, so a walk from the
+/// last id back adds each directory's count to its parent's after its own is complete.
+fn files_below(catalog: &Catalog) -> HashMap<FileId, u32> {
+    let mut below = HashMap::new();
+    for id in (1..catalog.len() as FileId).rev() {
+        let Some(e) = catalog.entry(id) else { continue };
+        let own = match e.kind {
+            Kind::File => 1,
+            Kind::Directory => below.get(&id).copied().unwrap_or(0),
+            _ => 0,
+        };
+        if own > 0 {
+            *below.entry(e.parent).or_insert(0) += own;
+        }
+    }
+    below
+}
+
+/// The opens that are samples of `layout`, as its sample indices, per rank.
+fn opens_in(layout: &Layout, opens: &[(u32, Vec<FileId>)]) -> Vec<RankOpens> {
+    let wanted: HashSet<FileId> = opens.iter().flat_map(|(_, f)| f.iter().copied()).collect();
+    let mut index_of = HashMap::with_capacity(wanted.len());
+    for index in 0..layout.len() as u32 {
+        if let Some(file) = layout.file_of(index)
+            && wanted.contains(&file)
+        {
+            // The first sample of a file that several samples name.
+            index_of.entry(file).or_insert(index);
+        }
+    }
+    opens
+        .iter()
+        .map(|(rank, files)| RankOpens {
+            rank: *rank,
+            indices: files
+                .iter()
+                .filter_map(|f| index_of.get(f).copied())
+                .collect(),
+        })
+        .filter(|r| !r.indices.is_empty())
+        .collect()
+}
+
+/// What one dataset's search came to, for the verdict.
+enum Outcome {
+    Found(Detection, Arc<Layout>),
+    /// Too few samples per rank to tell an order from chance.
+    TooSmall {
+        samples: u64,
+    },
+    Unexplained,
 }
 
 impl Inner {
@@ -288,29 +424,71 @@ impl Inner {
             .name("stage-detect".into())
             .spawn(move || inner.search(search));
         if let Err(e) = spawned {
-            log::warn!("cannot start the order search: {e}");
-            detector.not_found();
+            detector.not_found(format!("cannot start the order search: {e}"));
         }
     }
 
-    /// Searches the opens from the first, and after a first search also from where that
-    /// one's ended (`previous`): a job whose first opens were another loader's (a validation
-    /// sanity check, a peek at a batch) starts its epoch there.
+    /// Searches the opens in each candidate dataset; the first shuffled order found is
+    /// switched to, one read in order only in the last round.
     fn search(self: Arc<Self>, search: Search) {
         let Some(detector) = &self.detector else {
             return;
         };
-        let Search {
-            launch,
-            mut opens,
-            previous,
-        } = search;
         let started = std::time::Instant::now();
-        let len = self.plan.layout().len() as u64;
+        let roots = detector.search_roots();
+        let mut in_order = None;
+        let mut verdicts = Vec::new();
+        for &root in &roots {
+            match self.search_dataset(detector, &search, root) {
+                Outcome::Found(d, layout) if d.in_order() => {
+                    in_order = in_order.or(Some((d, layout)));
+                }
+                Outcome::Found(d, layout) => {
+                    self.log_search(&search, started);
+                    return self.adopt(detector, &search, d, layout);
+                }
+                outcome => verdicts.push((root, outcome)),
+            }
+        }
+        self.log_search(&search, started);
+        if search.last
+            && let Some((d, layout)) = in_order
+        {
+            return self.adopt(detector, &search, d, layout);
+        }
+        if detector.give_up.load(Ordering::Relaxed)
+            && let Some(again) = detector.resume()
+        {
+            log::info!(
+                "--sampler auto: a new reader opened files during the search; searching again"
+            );
+            return self.clone().search(again);
+        }
+        detector.not_found(self.why_not_found(&search, &verdicts, in_order.is_some()));
+    }
+
+    fn log_search(&self, search: &Search, started: std::time::Instant) {
+        log::info!(
+            "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
+            search.opens.iter().map(|(_, f)| f.len()).sum::<usize>(),
+            search.opens.len(),
+            started.elapsed()
+        );
+    }
+
+    /// Searches the opens that are samples of the dataset at `root`, from the first, and
+    /// after a first round also from where that one's ended (`previous`): a job whose first
+    /// opens were another loader's (a peek at a batch) starts its epoch there.
+    fn search_dataset(&self, detector: &Detector, search: &Search, root: FileId) -> Outcome {
+        let Ok(layout) = detector.datasets.get(root) else {
+            return Outcome::Unexplained;
+        };
+        let len = layout.len() as u64;
+        let mut opens = opens_in(&layout, &search.opens);
         // The mount's own flags are hints: its seed is tried first, and without a launcher's
         // environment its world size and (single) rank say whose opens these are.
         let hint = self.plan.order();
-        let mut launch = launch;
+        let mut launch = search.launch;
         if launch.world_size == 1
             && hint.sampler.world_size > 1
             && let [rank] = hint.ranks[..]
@@ -323,63 +501,57 @@ impl Inner {
                 local: Some((0, 1)),
             };
         }
+        if !detect::judgeable(len, launch.world_size) {
+            return Outcome::TooSmall {
+                samples: len.div_ceil(u64::from(launch.world_size.max(1))),
+            };
+        }
         let hinted_seed = u64::try_from(hint.sampler.seed).ok();
-        let from = |skip: usize| -> Vec<RankOpens> {
-            opens
-                .iter()
-                .map(|r| RankOpens {
-                    rank: r.rank,
-                    indices: r.indices.get(skip..).unwrap_or_default().to_vec(),
-                })
-                .collect()
-        };
         let give_up = &detector.give_up;
-        let found =
-            detect::detect(len, launch.world_size, hinted_seed, &opens, give_up).or_else(|| {
-                (previous > 0)
+        let from = |skip: usize| -> Vec<RankOpens> {
+            let skipped = opens.iter().map(|r| RankOpens {
+                rank: r.rank,
+                indices: r.indices.get(skip..).unwrap_or_default().to_vec(),
+            });
+            skipped.collect()
+        };
+        let found = detect::detect(len, launch.world_size, hinted_seed, &opens, give_up)
+            .or_else(|| {
+                (search.previous > 0)
                     .then(|| {
-                        detect::detect(
-                            len,
-                            launch.world_size,
-                            hinted_seed,
-                            &from(previous),
-                            give_up,
-                        )
+                        let later = from(search.previous);
+                        detect::detect(len, launch.world_size, hinted_seed, &later, give_up)
                     })
                     .flatten()
-            });
-        log::info!(
-            "--sampler auto: searched {} opens of {} rank(s) in {:.2?}",
-            opens.iter().map(|r| r.indices.len()).sum::<usize>(),
-            opens.len(),
-            started.elapsed()
-        );
-        let Some(Detection { sampler, epoch }) = found else {
-            if give_up.load(Ordering::Relaxed)
-                && let Some(again) = detector.resume()
-            {
-                log::info!(
-                    "--sampler auto: a new reader opened files during the search; searching again"
-                );
-                return self.clone().search(again);
-            }
-            return detector.not_found();
-        };
+            })
+            .or_else(|| detect::detect_in_order(len, launch.world_size, &opens));
+        match found {
+            Some(detection) => Outcome::Found(detection, layout),
+            None => Outcome::Unexplained,
+        }
+    }
+
+    /// Switches to what a search found, unless something else took over meanwhile.
+    fn adopt(&self, detector: &Detector, search: &Search, found: Detection, layout: Arc<Layout>) {
         if !detector.is_active() {
             // The job started announcing meanwhile.
             return;
         }
+        let Detection { sampler, epoch } = found;
         let ranks = match sampler.kind {
-            SamplerKind::TorchDistributed => launch
-                .node_ranks()
-                .unwrap_or_else(|| opens.iter().map(|r| r.rank).collect()),
+            SamplerKind::TorchDistributed => search.launch.node_ranks().unwrap_or_else(|| {
+                let mut seen: Vec<u32> = search.opens.iter().map(|(r, _)| *r).collect();
+                seen.retain(|&r| r < sampler.world_size);
+                seen
+            }),
             // Every rank reads the same order: the node's stream is that order once.
-            _ => vec![opens.first().map_or(0, |r| r.rank)],
+            _ => vec![search.opens.first().map_or(0, |(r, _)| *r)],
         };
         let order = Order {
             sampler,
             ranks,
             provenance: Provenance::Detected,
+            layout,
         };
         let flags = order.flags(epoch);
         match self.switch_to(order, epoch) {
@@ -390,14 +562,48 @@ impl Inner {
             // The job announces its order (which ended the detection): that takes precedence.
             Ok(false) if !detector.is_active() => {}
             // The prediction moved meanwhile (`stagefs epoch`): the next search judges again.
-            Ok(false) => {
-                log::info!("--sampler auto found {flags}, but the prediction changed meanwhile");
-                detector.not_found();
-            }
-            Err(e) => {
-                log::warn!("--sampler auto found {flags} but cannot follow it: {e}");
-                detector.not_found();
-            }
+            Ok(false) => detector.not_found(format!(
+                "found {flags}, but the prediction changed meanwhile"
+            )),
+            Err(e) => detector.not_found(format!("found {flags} but cannot follow it: {e}")),
+        }
+    }
+
+    /// Why nothing was found, and what to do, in one line: for the dataset most opens came
+    /// from, whatever can be told from its opens.
+    fn why_not_found(
+        &self,
+        search: &Search,
+        verdicts: &[(FileId, Outcome)],
+        in_order: bool,
+    ) -> String {
+        let catalog = &self.catalog;
+        let opens = search.opens.iter().map(|(_, f)| f.len()).max().unwrap_or(0);
+        let announce =
+            "let the job announce its order (`eval \"$(stagefs feed-env)\"` before it starts)";
+        let Some((root, outcome)) = verdicts.first() else {
+            return if in_order {
+                format!(
+                    "the first {opens} opens read their dataset in order, as a validation loader does, and nothing else was found yet"
+                )
+            } else {
+                format!(
+                    "the first {opens} opens come from no dataset directory with enough of them; {announce}"
+                )
+            };
+        };
+        let dataset = crate::catalog::dataset_name(catalog, *root);
+        match outcome {
+            Outcome::TooSmall { samples } => format!(
+                "{dataset} has {samples} samples per rank, too few for its first opens to tell an order from chance; {announce}, or name it with --sampler/--seed"
+            ),
+            _ if search.launch.world_size > 1 => format!(
+                "no DistributedSampler or other sampler stagefs knows orders the first {opens} opens of {dataset} on {} ranks (a wrapped sampler such as Lightning's DistributedSamplerWrapper, or a custom one); {announce}",
+                search.launch.world_size
+            ),
+            _ => format!(
+                "no sampler and seed stagefs can find orders the first {opens} opens of {dataset}: a DataLoader that shuffles with torch's global generator after other draws from it (model initialisation) cannot be found from its opens, nor can a custom or weighted sampler; {announce}, or give the loader its own seeded generator (DataLoader(generator=torch.Generator().manual_seed(S)))"
+            ),
         }
     }
 
@@ -442,23 +648,28 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::{Catalog, LayoutKind};
+    use crate::catalog::LayoutSpec;
 
-    /// A detector over `n` files, and their catalog ids in sample order.
+    /// A detector over a tree of `n` files, and their catalog ids in sample order.
     fn detector(n: usize) -> (tempfile::TempDir, Detector, Vec<FileId>) {
         let dir = tempfile::tempdir().unwrap();
         for i in 0..n {
             std::fs::write(dir.path().join(format!("f{i:04}")), b"x").unwrap();
         }
-        let catalog = Catalog::scan(dir.path(), 1).unwrap();
-        let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
+        let catalog = Arc::new(Catalog::scan(dir.path(), 1).unwrap());
+        let spec = LayoutSpec {
+            kind: LayoutKind::Tree,
+            ..LayoutSpec::default()
+        };
+        let datasets = Arc::new(Datasets::new(catalog, spec));
+        let layout = datasets.get(ROOT).unwrap();
         let files = (0..n as u32).map(|i| layout.file_of(i).unwrap()).collect();
-        (dir, Detector::new(&layout, catalog.len()), files)
+        (dir, Detector::new(datasets), files)
     }
 
     #[test]
     fn new_readers_restart_a_round_s_search_only_a_few_times() {
-        let (_dir, d, files) = detector(64);
+        let (_dir, d, files) = detector(5000);
         let mut opens = files.iter().cycle();
         let mut search = None;
         while search.is_none() {
@@ -479,7 +690,7 @@ mod tests {
         }
         assert_eq!(restarts, RESTARTS_PER_ROUND);
         // The round's search then runs to its end: not found, the next round comes.
-        d.not_found();
+        d.not_found("test".into());
         assert!(d.is_active());
         assert!(matches!(d.state(), DetectionState::Searching { .. }));
         // After the first rounds, new readers restart nothing.
@@ -500,8 +711,61 @@ mod tests {
             opener += 10;
             let gave_up = d.give_up.load(Ordering::Relaxed);
             assert_eq!(gave_up, round <= RESTARTING_ROUNDS, "round {round}");
-            d.not_found();
+            d.not_found("nothing".into());
         }
-        assert!(matches!(d.state(), DetectionState::NotFound { .. }));
+        assert_eq!(
+            d.state(),
+            DetectionState::NotFound {
+                opens: KEPT_OPENS,
+                why: "nothing".into()
+            }
+        );
+    }
+
+    /// A job of 900 opens an epoch gets its verdict within its first epoch, not after 4,096.
+    #[test]
+    fn the_last_search_runs_by_the_end_of_the_first_epoch() {
+        let (_dir, d, files) = detector(900);
+        let mut rounds = Vec::new();
+        for (i, &f) in files.iter().enumerate() {
+            if d.observe(f, JobRank::ALONE, 1).is_some() {
+                rounds.push(i + 1);
+                d.not_found("nothing explains it".into());
+            }
+        }
+        assert_eq!(rounds, [32, 256, 900]);
+        assert!(matches!(
+            d.state(),
+            DetectionState::NotFound { opens: 900, .. }
+        ));
+    }
+
+    /// A root with train/ and val/: the dataset most opens come from is `train`, not the root
+    /// that holds validation's opens too.
+    #[test]
+    fn the_dataset_is_the_deepest_directory_holding_most_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut files = Vec::new();
+        for (split, n) in [("train", 90), ("val", 10)] {
+            for i in 0..n {
+                let p = dir.path().join(format!("{split}/c{}/{i}.jpg", i % 3));
+                std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                std::fs::write(&p, b"x").unwrap();
+                files.push(format!("{split}/c{}/{i}.jpg", i % 3));
+            }
+        }
+        let catalog = Arc::new(Catalog::scan(dir.path(), 1).unwrap());
+        let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
+        let d = Detector::new(datasets);
+        for f in &files {
+            let id = catalog.lookup_path(std::path::Path::new(f)).unwrap();
+            d.observe(id, JobRank::ALONE, 1);
+        }
+        let train = catalog.lookup_path(std::path::Path::new("train")).unwrap();
+        let val = catalog.lookup_path(std::path::Path::new("val")).unwrap();
+        assert_eq!(d.search_roots(), [train, ROOT]);
+        assert!(!d.search_roots().contains(&val), "val has too few opens");
+        assert_eq!(d.files_below[&train], 90);
+        assert_eq!(d.files_below[&ROOT], 100);
     }
 }

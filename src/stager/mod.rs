@@ -25,6 +25,7 @@ mod planner;
 mod resync;
 mod source;
 mod space;
+mod streams;
 #[cfg(test)]
 mod tests;
 mod unverified;
@@ -40,9 +41,11 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use crate::cache::{CacheDir, OpenCopy};
-use crate::catalog::{Catalog, FileId};
+use crate::catalog::{Catalog, Datasets, FileId};
 use crate::order::SamplerKind;
-use crate::plan::{Plan, Position, Provenance, Tracker, TrackerMode, TrackerSettings};
+use crate::plan::{
+    FedChange, Plan, Position, Provenance, StreamKey, Tracker, TrackerMode, TrackerSettings,
+};
 use crate::stats::{Counters, Gauges};
 use backoff::Backoff;
 use detection::Detector;
@@ -182,6 +185,8 @@ struct State {
     hint: Option<String>,
     /// The cursor entered an epoch whose successor the planner has yet to prepare.
     replan: bool,
+    /// Opens per stream.
+    streams: streams::Streams,
 }
 
 struct Inner {
@@ -222,14 +227,17 @@ enum Answer {
 type Deferred = Vec<(OpenCallback, Answer)>;
 
 impl Stager {
+    /// Starts staging `plan` from `source` into `cache`; `datasets` are where `--sampler auto`
+    /// looks for the job's dataset.
     pub fn start(
-        catalog: Arc<Catalog>,
+        datasets: Arc<Datasets>,
         source: Arc<dyn Source>,
         cache: CacheDir,
         plan: Arc<Plan>,
         settings: StagerSettings,
         counters: Arc<Counters>,
     ) -> Stager {
+        let catalog = datasets.catalog().clone();
         let tracker = Tracker::new(plan.clone(), settings.tracker);
         let mut state = State {
             tracker,
@@ -248,6 +256,7 @@ impl Stager {
             resync_running: false,
             hint: None,
             replan: false,
+            streams: Default::default(),
         };
         if plan.predicts() {
             // Epoch 0 is planned; the next one is the staging horizon from the start.
@@ -267,8 +276,7 @@ impl Stager {
                 state.space.used
             );
         }
-        let detector = (plan.sampler().kind == SamplerKind::Auto)
-            .then(|| Detector::new(plan.layout(), catalog.len()));
+        let detector = (plan.sampler().kind == SamplerKind::Auto).then(|| Detector::new(datasets));
         let inner = Arc::new(Inner {
             detector,
             catalog,
@@ -362,10 +370,12 @@ impl Stager {
         self.inner.work.notify_all();
     }
 
-    /// The job announces the files `rank` reads in `epoch` (`--sampler feed`): `current` if
-    /// the rank is starting that epoch now, otherwise it is the next one, announced ahead.
+    /// The job announces the files `rank` reads in `epoch` of one of its loaders' streams
+    /// (`--sampler feed`): `current` if the rank is starting that epoch now, otherwise it is
+    /// the next one, announced ahead.
     pub fn announce(
         &self,
+        stream: &StreamKey,
         epoch: u64,
         rank: u32,
         files: Vec<FileId>,
@@ -392,21 +402,40 @@ impl Stager {
         let count = files.len();
         // Converted (a copy of up to millions of ids) before the lock is taken.
         let files: Arc<[FileId]> = files.into();
-        {
+        let change = {
             let mut st = self.inner.state.lock();
             let (at_epoch, at_offset) = st.tracker.epoch_position();
+            let change = plan.announce(stream, epoch, rank, files)?;
             // Growing the epoch length moves every position: the tracker follows at once,
             // under the same lock, to where it was.
-            if plan.announce(epoch, rank, files)? && st.tracker.mode() == TrackerMode::Predicting {
+            if change == FedChange::Grown && st.tracker.mode() == TrackerMode::Predicting {
                 let pos = plan.join(at_epoch, at_offset);
                 self.inner.reposition(&mut st, pos);
             }
+            change
+        };
+        let ahead = if current { "" } else { " (ahead)" };
+        match change {
+            FedChange::Other => {
+                log::info!(
+                    "rank {rank} announced epoch {epoch}{ahead} of {}: {count} files, served on demand (the mount follows the training loader's stream)",
+                    stream.name
+                );
+                return Ok(());
+            }
+            FedChange::Switched => log::info!(
+                "following the stream of {} ({}): the job's training loader",
+                stream.name,
+                if stream.shuffled {
+                    "shuffled"
+                } else {
+                    "in order"
+                }
+            ),
+            FedChange::Grown | FedChange::Nothing => {}
         }
-        log::info!(
-            "rank {rank} announced epoch {epoch}{}: {count} files",
-            if current { "" } else { " (ahead)" }
-        );
-        if current {
+        log::info!("rank {rank} announced epoch {epoch}{ahead}: {count} files");
+        if current || change == FedChange::Switched {
             self.set_epoch(epoch);
             return Ok(());
         }
@@ -421,8 +450,15 @@ impl Stager {
     }
 
     pub fn gauges(&self) -> Gauges {
+        let plan = &self.inner.plan;
         let st = self.inner.state.lock();
         let (epoch, position) = st.tracker.epoch_position();
+        // A fed plan's positions leave room for longer epochs; the user asks what was announced.
+        let epoch_len = if plan.is_fed() {
+            plan.announced_len(epoch)
+        } else {
+            plan.epoch_len()
+        };
         Gauges {
             cache_used_bytes: st.space.used,
             cache_capacity_bytes: st.space.capacity,
@@ -432,7 +468,7 @@ impl Stager {
             prediction_quality_by_epoch: st.tracker.quality_by_epoch(),
             epoch,
             position,
-            epoch_len: self.inner.plan.epoch_len(),
+            epoch_len,
             frontier: st.frontier.saturating_sub(st.tracker.cursor()),
             announced_ranks: self.inner.plan.fed_ranks(epoch),
             sampler: self.inner.plan.sampler().kind.to_string(),
@@ -443,6 +479,7 @@ impl Stager {
                 TrackerMode::Lost => "lost",
                 TrackerMode::OnDemand => "on-demand",
             },
+            streams: st.streams.stats(&self.inner.predicted_stream()),
         }
     }
 
@@ -474,8 +511,8 @@ impl Inner {
             (Provenance::Announced, _) => "announced by the job".into(),
             (_, SamplerKind::None) => "none (on demand)".into(),
             (_, SamplerKind::Auto) => match self.detector.as_ref().map(Detector::state) {
-                Some(DetectionState::NotFound { opens }) => {
-                    format!("auto: not found from the first {opens} opens (on demand)")
+                Some(DetectionState::NotFound { opens, why }) => {
+                    format!("auto: not found from the first {opens} opens (on demand): {why}")
                 }
                 Some(DetectionState::Searching { opens }) => {
                     format!("auto: searching ({opens} opens so far, on demand)")
@@ -487,6 +524,15 @@ impl Inner {
                 _ => format!("detected: {}", order.flags(epoch)),
             },
             (Provenance::Configured, _) => format!("configured: {}", order.flags(epoch)),
+        }
+    }
+
+    /// The name of the stream the prediction follows: the announced stream's, else its
+    /// dataset's directory.
+    fn predicted_stream(&self) -> String {
+        match self.plan.followed_stream() {
+            Some(stream) if self.plan.is_fed() => stream.name,
+            _ => crate::catalog::dataset_name(&self.catalog, self.plan.layout().root()),
         }
     }
 

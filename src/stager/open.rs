@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use parking_lot::MutexGuard;
 
+use super::streams::{self, StreamSlot};
 use super::{Answer, Deferred, FileState, Inner, OpenCallback, OpenResult, Opened, State, source};
 use crate::cache::OpenCopy;
 use crate::catalog::FileId;
@@ -62,7 +63,7 @@ impl Inner {
         // whatever this opens is the file's bytes if the state then says cached.
         let mut pre_opened = self.open_cached(file).ok();
         let mut st = self.state.lock();
-        self.track_open(&mut st, file);
+        let stream = self.track_open(&mut st, file);
         if st.unverified.contains(file) {
             // A previous mount's copy: its bytes are checked before any is served, reading
             // the file without the lock held.
@@ -111,6 +112,7 @@ impl Inner {
         }
         let state = st.files.get(file);
         Counters::add(&self.counters.misses, 1);
+        st.streams.miss(stream);
         let size = self.size_of(file);
         let read_through = size >= self.settings.read_through_above;
         if state == FileState::Remote || state == FileState::Cached {
@@ -131,11 +133,28 @@ impl Inner {
         }
     }
 
-    /// Feeds an open to the tracker and keeps eviction keys and the frontier consistent with
-    /// where the cursor went.
-    fn track_open(self: &Arc<Self>, st: &mut MutexGuard<'_, State>, file: FileId) {
+    /// Counts an open under its stream, and feeds one of the predicted stream to the tracker.
+    fn track_open(self: &Arc<Self>, st: &mut MutexGuard<'_, State>, file: FileId) -> StreamSlot {
         st.unread.remove(&file);
         st.access_seq += 1;
+        if self.plan.is_member(file) {
+            self.track_predicted(st, file);
+            return st.streams.predicted_open();
+        }
+        // Another stream's (validation, label files): cached as read, judged against nothing.
+        let seq = st.access_seq;
+        if st.space.evict.contains(file) {
+            st.space.evict.set_recently_used(file, seq);
+        }
+        let name = self.plan.other_stream_of(file).unwrap_or_else(|| {
+            crate::catalog::dataset_name(&self.catalog, streams::dataset_of(&self.catalog, file))
+        });
+        st.streams.other_open(name)
+    }
+
+    /// Feeds an open to the tracker and keeps eviction keys and the frontier consistent with
+    /// where the cursor went.
+    fn track_predicted(self: &Arc<Self>, st: &mut MutexGuard<'_, State>, file: FileId) {
         let epoch_before = st.tracker.epoch_position().0;
         let m = st.tracker.on_open(file);
         match st.tracker.mode() {

@@ -161,6 +161,7 @@ impl Inner {
                 sampler,
                 ranks,
                 provenance: order.provenance,
+                layout: order.layout.clone(),
             };
             for epoch in around_epoch.saturating_sub(1)..=around_epoch + 1 {
                 let stream = self.plan.stream_of(&variant, epoch);

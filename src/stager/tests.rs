@@ -11,7 +11,7 @@ use std::time::Instant;
 use proptest::prelude::*;
 
 use super::*;
-use crate::catalog::{Layout, LayoutKind};
+use crate::catalog::{Datasets, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{SamplerConfig, SamplerKind};
 
 /// Content of sample file `i`: distinct per file and per offset, so any mix-up shows.
@@ -128,7 +128,8 @@ impl Setup {
             sizes.push(size);
         }
         let catalog = Arc::new(Catalog::scan(&src, 2).unwrap());
-        let layout = Arc::new(Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap());
+        let datasets = tree_datasets(&catalog);
+        let layout = datasets.get(ROOT).unwrap();
         let plan = Arc::new(Plan::new(self.sampler, self.ranks, layout, catalog.len()).unwrap());
         let share: u64 = sizes.iter().map(|&s| s as u64).sum();
         let settings = StagerSettings {
@@ -187,6 +188,23 @@ fn layout_file(catalog: &Catalog, sample: u32) -> FileId {
         .unwrap()
 }
 
+/// The stream of a job's training loader.
+fn train() -> crate::plan::StreamKey {
+    crate::plan::StreamKey {
+        name: ".".into(),
+        shuffled: true,
+    }
+}
+
+/// The datasets of a tree layout over `catalog`: file i of the test tree is sample i.
+pub(super) fn tree_datasets(catalog: &Arc<Catalog>) -> Arc<Datasets> {
+    let spec = LayoutSpec {
+        kind: LayoutKind::Tree,
+        ..LayoutSpec::default()
+    };
+    Arc::new(Datasets::new(catalog.clone(), spec))
+}
+
 fn start_stager(
     dir: &tempfile::TempDir,
     catalog: &Arc<Catalog>,
@@ -197,7 +215,7 @@ fn start_stager(
 ) -> Stager {
     let cache = CacheDir::open(&dir.path().join("cache"), catalog.root_path()).unwrap();
     Stager::start(
-        catalog.clone(),
+        tree_datasets(catalog),
         source.clone(),
         cache,
         plan.clone(),
@@ -960,7 +978,9 @@ fn a_fed_order_is_staged_as_announced_epoch_after_epoch() {
     assert_eq!(h.get(&h.counters.staged_files), 0);
     for epoch in 0..3 {
         let order = announced_order(&h, 0, epoch);
-        h.stager().announce(epoch, 0, order.clone(), true).unwrap();
+        h.stager()
+            .announce(&train(), epoch, 0, order.clone(), true)
+            .unwrap();
         // The stager gets ahead before the first batch, as between a job's announcement and
         // its workers' first opens.
         assert!(h.eventually(|| h.get(&h.counters.staged_files) >= 16 * (epoch + 1)));
@@ -986,18 +1006,26 @@ fn announcements_of_two_ranks_merge_and_an_ahead_one_crosses_the_boundary() {
     setup.capacity_share = 10.0;
     let h = setup.build();
     let (r0, r1) = (announced_order(&h, 0, 0), announced_order(&h, 1, 0));
-    h.stager().announce(0, 0, r0[..60].to_vec(), true).unwrap();
-    h.stager().announce(0, 1, r1[60..].to_vec(), true).unwrap();
+    h.stager()
+        .announce(&train(), 0, 0, r0[..60].to_vec(), true)
+        .unwrap();
+    h.stager()
+        .announce(&train(), 0, 1, r1[60..].to_vec(), true)
+        .unwrap();
     assert_eq!(h.plan.fed_ranks(0), [0, 1]);
     let merged = h.plan.files(0);
     assert_eq!(merged.len(), 120);
     assert_eq!(&merged[..4], &[r0[0], r1[60], r0[1], r1[61]]);
     // The next epoch, announced ahead, is staged before the job gets there.
     let next = announced_order(&h, 0, 1);
-    h.stager().announce(1, 0, next.clone(), false).unwrap();
+    h.stager()
+        .announce(&train(), 1, 0, next.clone(), false)
+        .unwrap();
     read_files(&h, &merged, 8, 2);
     assert!(h.eventually(|| h.stager().cached_count(next.iter().copied()) == 120));
-    h.stager().announce(1, 0, next.clone(), true).unwrap();
+    h.stager()
+        .announce(&train(), 1, 0, next.clone(), true)
+        .unwrap();
     let hits = h.get(&h.counters.hits);
     read_files(&h, &next, 8, 2);
     assert_eq!(h.get(&h.counters.hits) - hits, 120);
@@ -1010,7 +1038,9 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
     setup.capacity_share = 10.0;
     let h = setup.build();
     let order = announced_order(&h, 0, 0);
-    h.stager().announce(0, 0, order.clone(), true).unwrap();
+    h.stager()
+        .announce(&train(), 0, 0, order.clone(), true)
+        .unwrap();
     let first_len = h.plan.epoch_len();
     // A sampler with replacement, drawing more samples than there are files.
     let long: Vec<FileId> = order
@@ -1019,7 +1049,9 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
         .take(5 * order.len() + 3)
         .copied()
         .collect();
-    h.stager().announce(1, 0, long.clone(), true).unwrap();
+    h.stager()
+        .announce(&train(), 1, 0, long.clone(), true)
+        .unwrap();
     assert!(h.plan.epoch_len() > first_len && h.plan.epoch_len() >= long.len() as u64);
     assert_eq!(h.plan.files(1), long);
     read_files(&h, &long, 8, 2);
@@ -1030,7 +1062,10 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
 #[test]
 fn a_mount_with_its_own_sampler_refuses_announcements() {
     let h = Setup::new(20, SamplerKind::TorchRandom).build();
-    let err = h.stager().announce(0, 0, vec![1], true).unwrap_err();
+    let err = h
+        .stager()
+        .announce(&train(), 0, 0, vec![1], true)
+        .unwrap_err();
     assert!(err.to_string().contains("--sampler feed"), "{err}");
     assert_eq!(h.stager().gauges().epoch, 0);
 }

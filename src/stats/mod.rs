@@ -49,6 +49,18 @@ pub struct EpochQuality {
     pub predicted: u64,
 }
 
+/// How one stream's opens went: the predicted stream (the dataset the job trains on) or
+/// another one read on demand (a validation set, label files).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamStat {
+    /// The dataset's directory under the mount (`.` for its root).
+    pub name: String,
+    /// Whether the prediction follows it.
+    pub predicted: bool,
+    pub opens: u64,
+    pub hits: u64,
+}
+
 /// Values owned by the stager rather than counted: read under its lock when a snapshot is taken.
 #[derive(Clone, Debug, Default)]
 pub struct Gauges {
@@ -71,6 +83,8 @@ pub struct Gauges {
     pub prediction: String,
     /// While the opens do not follow the prediction: the likely cause and the fix.
     pub hint: String,
+    /// Opens per stream, the predicted one first.
+    pub streams: Vec<StreamStat>,
 }
 
 /// Everything a user may ask about a mount, under stable names (the xattr and JSON keys, in
@@ -133,6 +147,12 @@ pub struct Snapshot {
     /// order came from); empty for a computed order.
     #[serde(default)]
     pub announced_ranks: Vec<u32>,
+    /// Opens per stream (`{"name", "predicted", "opens", "hits"}`): the dataset the prediction
+    /// follows first, then the others the job read on demand (a validation set between
+    /// epochs), by the directory they come from. Only the predicted stream's opens are judged
+    /// (`mispredictions`, `prediction_quality`).
+    #[serde(default)]
+    pub streams: Vec<StreamStat>,
     /// Whether cache hits are served by FUSE passthrough (the kernel reads cache files).
     pub passthrough: bool,
     pub uptime_seconds: f64,
@@ -180,6 +200,7 @@ impl Snapshot {
             prediction: g.prediction,
             hint: g.hint,
             announced_ranks: g.announced_ranks,
+            streams: g.streams,
             passthrough,
             uptime_seconds: started.elapsed().as_secs_f64(),
             ops: BTreeMap::new(),

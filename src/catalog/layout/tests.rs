@@ -3,6 +3,13 @@
 use super::*;
 use std::fs;
 
+fn tree() -> LayoutSpec {
+    LayoutSpec {
+        kind: LayoutKind::Tree,
+        ..LayoutSpec::default()
+    }
+}
+
 /// Builds the golden tricky tree from tests/data/golden/imagefolder/tree.txt.
 pub(crate) fn golden_tree(dir: &Path) {
     let spec = fs::read_to_string(concat!(
@@ -47,7 +54,11 @@ fn image_folder_matches_torchvision_golden() {
     .unwrap();
     let catalog = Catalog::scan(tmp.path(), 2).unwrap();
     let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
-    let layout = Layout::build(&catalog, LayoutKind::ImageFolder, &exts, None).unwrap();
+    let spec = LayoutSpec {
+        extensions: exts,
+        ..LayoutSpec::default()
+    };
+    let layout = Layout::build(&catalog, ROOT, &spec).unwrap();
     let classes: Vec<&str> = expected["classes"]
         .as_array()
         .unwrap()
@@ -80,7 +91,7 @@ fn tree_sorts_by_path_bytes_not_walk_order() {
         fs::write(f, p).unwrap();
     }
     let catalog = Catalog::scan(tmp.path(), 2).unwrap();
-    let layout = Layout::build(&catalog, LayoutKind::Tree, &[], None).unwrap();
+    let layout = Layout::build(&catalog, ROOT, &tree()).unwrap();
     let paths: Vec<PathBuf> = (0..layout.len() as u32)
         .map(|i| catalog.relative_path(layout.file_of(i).unwrap()))
         .collect();
@@ -127,7 +138,9 @@ fn list_file_errors_name_the_line() {
     fs::write(tmp.path().join("d/a.jpg"), b"x").unwrap();
     let catalog = Catalog::scan(tmp.path(), 1).unwrap();
     assert_eq!(
-        parse_list(&catalog, b"d/a.jpg\nd/a.jpg\n").unwrap().len(),
+        parse_list(&catalog, ROOT, b"d/a.jpg\nd/a.jpg\n")
+            .unwrap()
+            .len(),
         2
     );
     for (text, line, needle) in [
@@ -137,8 +150,58 @@ fn list_file_errors_name_the_line() {
         (b"d/missing.jpg\n", 1, "does not exist"),
         (b"d\n", 1, "not a regular file"),
     ] {
-        let (got_line, reason) = parse_list(&catalog, text).unwrap_err();
+        let (got_line, reason) = parse_list(&catalog, ROOT, text).unwrap_err();
         assert_eq!(got_line, line, "{reason}");
         assert!(reason.contains(needle), "{reason}");
     }
+}
+
+/// A dataset root with train/ and val/: each split is a dataset of its own, numbered as
+/// `ImageFolder(root/train)` numbers it, and the root as a whole is another.
+#[test]
+fn any_directory_can_be_a_dataset_root() {
+    let tmp = tempfile::tempdir().unwrap();
+    for p in [
+        "train/b/2.jpg",
+        "train/a/1.jpg",
+        "train/a/0.jpg",
+        "val/a/9.jpg",
+        "notes.txt",
+    ] {
+        let f = tmp.path().join(p);
+        fs::create_dir_all(f.parent().unwrap()).unwrap();
+        fs::write(f, p).unwrap();
+    }
+    let catalog = std::sync::Arc::new(Catalog::scan(tmp.path(), 1).unwrap());
+    let datasets = Datasets::new(catalog.clone(), LayoutSpec::default());
+    let paths = |layout: &Layout| -> Vec<PathBuf> {
+        (0..layout.len() as u32)
+            .map(|i| catalog.relative_path(layout.file_of(i).unwrap()))
+            .collect()
+    };
+    let train = datasets.at(Path::new("train")).unwrap();
+    assert_eq!(train.classes(), ["a", "b"]);
+    let want: Vec<PathBuf> = ["train/a/0.jpg", "train/a/1.jpg", "train/b/2.jpg"]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+    assert_eq!(paths(&train), want);
+    assert_eq!(dataset_name(&catalog, train.root()), "train");
+    let val = datasets.at(Path::new("val")).unwrap();
+    assert!(val.contains(catalog.lookup_path(Path::new("val/a/9.jpg")).unwrap()));
+    assert!(!val.contains(train.file_of(0).unwrap()));
+    let whole = datasets.at(Path::new(".")).unwrap();
+    assert_eq!(
+        (whole.classes(), whole.len()),
+        (&["train".to_string(), "val".into()][..], 4)
+    );
+    // Built once, then kept.
+    assert!(std::sync::Arc::ptr_eq(
+        &train,
+        &datasets.at(Path::new("train")).unwrap()
+    ));
+    let err = datasets.at(Path::new("test")).err().unwrap().to_string();
+    assert!(err.contains("--dataset test"), "{err}");
+    let err = datasets.at(Path::new("val/a")).err().unwrap().to_string();
+    assert!(err.contains("no samples in val/a"), "{err}");
 }
