@@ -8,9 +8,12 @@ process that iterates the loader (the main process; workers only fetch):
    exactly as the loader would; the loader then gets exactly those indices, followed by
    whatever the sampler yields beyond its length;
 2. the indices are announced to the stagefs mount holding the dataset's files, as file paths
-   when the dataset exposes them (``samples``/``imgs`` of ImageFolder and DatasetFolder, a list
-   of paths in ``files``/``paths``, through ``Subset`` and ``ConcatDataset``), else as sample
-   indices for the mount's ``--layout`` (the mount named by ``STAGEFS_FEED_MOUNT``);
+   when the dataset exposes them (``samples``/``imgs`` of ImageFolder and DatasetFolder,
+   timm's ``reader.samples``, a list of paths in ``files``/``paths``, through ``Subset`` and
+   ``ConcatDataset``), else as sample indices for the mount's ``--layout`` of the dataset's
+   ``root`` (the mount named by ``STAGEFS_FEED_MOUNT``), each loader as a stream of its own:
+   its dataset's directory, and whether its sampler shuffles (the mount follows the training
+   loader's stream; validation passes are read on demand and never count against it);
 3. where the next epoch's order can be computed without touching the job's random state (a
    sampler with ``set_epoch``, as DistributedSampler), it is announced too, so staging crosses
    the epoch boundary without waiting.
@@ -39,15 +42,14 @@ _installed = False
 _warned = set()
 # mountpoint -> Channel (one connection per process and mount, opened at the first announcement)
 _channels = {}
-# mountpoint -> how many epochs this process announced there: the epoch number the daemon
-# files an announcement under, the same on every rank as long as ranks iterate alike.
+# (mountpoint, stream) -> how many epochs this process announced of that loader's stream: the
+# epoch number the daemon files an announcement under, the same on every rank as long as
+# ranks iterate alike.
 _epochs = {}
 # id(dataset) -> (dataset, target); the dataset is kept so its id is never reused.
 _targets = {}
 # Mounts that failed or refused: no more announcements to them from this process.
 _disabled = set()
-# mountpoint -> length of the loader announced there (see _AnnouncingIterator._prime)
-_followed = {}
 # What the daemon takes in one announcement (its MAX_ANNOUNCED).
 MAX_ANNOUNCED = 1 << 26
 
@@ -155,13 +157,6 @@ class _AnnouncingIterator:
             return  # not on a stagefs mount: the loader is left exactly as it was
         if length > MAX_ANNOUNCED:
             return _warn(("length", length), f"a sampler of {length} items is longer than stagefs takes")
-        mountpoint = target[0]
-        with _lock:
-            # One stream per mount: the job's largest loader (training). Smaller ones
-            # (validation, a peek at a batch) are read on demand and keep the epoch count.
-            if length < _followed.get(mountpoint, 0):
-                return
-            _followed[mountpoint] = length
         head = list(itertools.islice(self._it, max(length - 1, 0)))
         # Reaching the last item can end the sampler's loop, and a sampler may draw there:
         # RandomSampler's remainder randperm, which a batch sampler's partial last batch
@@ -228,7 +223,7 @@ def _rank():
 
 
 def _announce(target, loader, sampler, drawn):
-    mountpoint, address, paths = target
+    mountpoint, address, paths, root = target
     with _lock:
         if mountpoint in _disabled:
             return
@@ -237,16 +232,20 @@ def _announce(target, loader, sampler, drawn):
     base, to_base = _base_of(loader.dataset)
     indices = to_base(_flatten(drawn, batched))
     rank, world = _rank()
+    stream = {"root": root, "shuffled": _shuffles(sampler)}
+    # Loaders over one dataset (new Subsets each epoch) are one stream; training and
+    # validation over it are two (only one shuffles).
+    key = (mountpoint, root if root is not None else id(base), stream["shuffled"])
     with _lock:
-        epoch = _epochs.get(mountpoint, 0)
-        _epochs[mountpoint] = epoch + 1
+        epoch = _epochs.get(key, 0)
+        _epochs[key] = epoch + 1
     try:
         channel.connect()
         dataset = _register(channel, base, paths) if paths is not None else None
-        _send_order(channel, dataset, epoch, rank, world, indices, current=True)
+        _send_order(channel, dataset, stream, epoch, rank, world, indices, current=True)
         ahead = _next_epoch_indices(loader, sampler, batched)
         if ahead is not None:
-            _send_order(channel, dataset, epoch + 1, rank, world, to_base(ahead), current=False)
+            _send_order(channel, dataset, stream, epoch + 1, rank, world, to_base(ahead), current=False)
     except ChannelBusy as e:
         channel.close()
         _warn(("busy", mountpoint), f"{e}; this epoch is not announced")
@@ -259,18 +258,48 @@ def _announce(target, loader, sampler, drawn):
         _warn(("channel", mountpoint), f"{e}; not announcing to it any more")
 
 
-def _send_order(channel, dataset, epoch, rank, world, indices, current):
+def _send_order(channel, dataset, stream, epoch, rank, world, indices, current):
     message = {
         "op": "order",
         "epoch": epoch,
         "rank": rank,
         "world_size": world,
         "current": current,
+        "shuffled": stream["shuffled"],
         "indices": indices,
     }
+    if stream["root"] is not None:
+        message["root"] = stream["root"]
     if dataset is not None:
         message["dataset"] = dataset
     channel.request(message)
+
+
+def _shuffles(sampler, depth=0):
+    """Whether a loader's (batch) sampler shuffles: a training loader's does, a validation
+    loader's reads in order. Through batch samplers and wrappers (Lightning's distributed
+    wrapper keeps the user's sampler in its ``dataset``); one it does not know shuffles."""
+    from torch.utils.data import (
+        RandomSampler,
+        SequentialSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+    )
+
+    if depth > 4 or sampler is None:
+        return True
+    if isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)):
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    if getattr(sampler, "shuffle", None) is True:
+        return True
+    inner = getattr(sampler, "sampler", None) or getattr(sampler, "_sampler", None)
+    if inner is None:
+        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    if inner is not None and inner is not sampler:
+        return _shuffles(inner, depth + 1)
+    return getattr(sampler, "shuffle", True) is not False
 
 
 def _register(channel, dataset, paths):
@@ -312,14 +341,15 @@ def _dataset_paths(dataset):
     if isinstance(dataset, ConcatDataset):
         parts = [_dataset_paths(d) for d in dataset.datasets]
         return None if any(p is None for p in parts) else [p for part in parts for p in part]
-    for name in ("samples", "imgs"):
-        items = getattr(dataset, name, None)
-        if isinstance(items, list) and items and isinstance(items[0], tuple):
-            return [os.fspath(item[0]) for item in items]
-    for name in ("files", "paths", "file_paths", "image_paths"):
-        items = getattr(dataset, name, None)
-        if isinstance(items, list) and items and isinstance(items[0], (str, os.PathLike)):
-            return [os.fspath(item) for item in items]
+    for holder in _path_holders(dataset):
+        for name in ("samples", "imgs"):
+            items = getattr(holder, name, None)
+            if isinstance(items, list) and items and isinstance(items[0], tuple):
+                return [os.fspath(item[0]) for item in items]
+        for name in ("files", "paths", "file_paths", "image_paths"):
+            items = getattr(holder, name, None)
+            if isinstance(items, list) and items and isinstance(items[0], (str, os.PathLike)):
+                return [os.fspath(item) for item in items]
     # A wrapper sample for sample (adding a transform, returning the index too): its files
     # are those of the dataset it wraps.
     inner = getattr(dataset, "dataset", None)
@@ -331,25 +361,50 @@ def _dataset_paths(dataset):
     return None
 
 
+def _path_holders(dataset):
+    """The dataset, and what libraries keep its file list in: timm's ``reader`` (``parser``
+    before timm 0.9)."""
+    yield dataset
+    for name in ("reader", "parser"):
+        inner = getattr(dataset, name, None)
+        if inner is not None and not isinstance(inner, (str, bytes)):
+            yield inner
+
+
+def _root_of(dataset):
+    """The directory the dataset says it reads (torchvision's and timm's ``root``), if any."""
+    for holder in _path_holders(dataset):
+        root = getattr(holder, "root", None)
+        if isinstance(root, (str, os.PathLike)) and os.fspath(root):
+            return os.path.abspath(os.fspath(root))
+    return None
+
+
+def _relative(mountpoint, path):
+    """`path` (absolute) relative to `mountpoint`, `.` for the mountpoint, None outside it."""
+    if path == mountpoint:
+        return "."
+    prefix = mountpoint.rstrip("/") + "/"
+    return path[len(prefix):] if path.startswith(prefix) else None
+
+
 def _target_of(dataset):
-    """(mountpoint, control address, paths relative to it or None) for `dataset` (under its
-    `Subset`s), or None if no stagefs mount holds it. Looked up once per dataset."""
+    """(mountpoint, control address, paths relative to it or None, the dataset's root
+    relative to it or None) for `dataset` (under its `Subset`s), or None if no stagefs mount
+    holds it. Looked up once per dataset."""
     dataset, _ = _base_of(dataset)
     key = id(dataset)
     if key in _targets:
         return _targets[key][1]
     target = None
     paths = _dataset_paths(dataset)
+    root = _root_of(dataset)
     if paths:
         found = mount_of(paths[0])
         if found is not None:
             mountpoint, address = found
-            prefix = mountpoint.rstrip("/") + "/"
-            relative = [
-                p[len(prefix):] if p.startswith(prefix) else None
-                for p in (os.path.abspath(p) for p in paths)
-            ]
-            target = (mountpoint, address, relative)
+            relative = [_relative(mountpoint, os.path.abspath(p)) for p in paths]
+            target = (mountpoint, address, relative, root and _relative(mountpoint, root))
     elif os.environ.get("STAGEFS_FEED_MOUNT"):
         found = mount_of(os.environ["STAGEFS_FEED_MOUNT"])
         if found is None:
@@ -357,9 +412,29 @@ def _target_of(dataset):
                   f"STAGEFS_FEED_MOUNT={os.environ['STAGEFS_FEED_MOUNT']} is not a stagefs mount")
         else:
             mountpoint, address = found
-            target = (mountpoint, address, None)
+            target = (mountpoint, address, None, root and _relative(mountpoint, root))
+    elif root is not None and (found := mount_of(root)) is not None:
+        # On a mount, but no list of files to announce: say so, here and in its statistics.
+        _tell_unmapped(*found, type(dataset).__name__)
     _targets[key] = (dataset, target)
     return target
+
+
+def _tell_unmapped(mountpoint, address, kind):
+    """Says once, on stderr and to the mount (its statistics show it), that a dataset on the
+    mount lists no files the hook can map."""
+    _warn(("unmapped", kind),
+          f"{kind} on the stagefs mount {mountpoint} lists no files the hook knows how to read "
+          f"(samples, imgs, files, paths, reader.samples); its order is not announced. Set "
+          f"STAGEFS_FEED_MOUNT={mountpoint} to announce its indices in the mount's --layout")
+    with _lock:
+        if mountpoint in _disabled:
+            return
+        channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
+    try:
+        channel.request({"op": "unmapped", "dataset": kind})
+    except ChannelError:
+        pass
 
 
 def _generators(obj, depth=0):

@@ -33,6 +33,10 @@ pub enum Request {
     },
     /// The job (re)starts at `epoch` (`stagefs epoch`).
     Epoch { epoch: u64 },
+    /// The job's hook found a dataset on the mount whose files it cannot map (a class it does
+    /// not know): said in the statistics, so a mount waiting for announcements says why none
+    /// come.
+    Unmapped { dataset: String },
 }
 
 /// An announcement that does not say is taken for the training loader's.

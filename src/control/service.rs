@@ -159,6 +159,10 @@ impl Session for ControlSession {
                 data.stager.announce(&stream, epoch, rank, files, current)?;
                 Ok(self.counted(Reply::ok(), count))
             }
+            Request::Unmapped { dataset } => {
+                data.stager.note_unmapped(&dataset);
+                Ok(Reply::ok())
+            }
             Request::Epoch { epoch } => {
                 let plan = data.stager.plan();
                 if !plan.sampler().predicts() || plan.is_fed() {

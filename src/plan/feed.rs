@@ -1,9 +1,11 @@
 //! Orders the job announced itself (`--sampler feed`, through the Python hook): per epoch, the
 //! files each local rank reads, in the order it reads them.
 //!
-//! The node's stream for an epoch is its ranks' announced streams in lock-step, as local ranks
-//! read at about the same pace (`r0[0], r1[0], r0[1], r1[1], ...`; a shorter stream simply
-//! ends). An epoch may be announced again (a rank joins late, the job restarts): the newest
+//! The node's stream for an epoch is its ranks' announced streams in lock-step
+//! (`r0[0], r1[0], r0[1], r1[1], ...`), one lane per rank that announced any kept epoch (a
+//! shorter stream, or a rank missing from an epoch, leaves its lane's slots empty), so that
+//! position `p` of an epoch is always rank `p % lanes`'s: the tracker follows each rank on
+//! its own, as ranks may drift apart. An epoch may be announced again (a rank joins late, the job restarts): the newest
 //! announcement of each rank counts, and [`Feed::version`] tells plans built before it to go.
 //!
 //! A job iterates several loaders: training, and validation between epochs (Lightning even
@@ -18,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::catalog::{FileId, FileSet};
+use crate::catalog::{FileId, FileSet, MaybeFile};
 
 /// Announced epochs kept on either side of the one just announced: the reader's, the ones
 /// before (ranks finishing them) and the next. Counted from the latest announcement, not the
@@ -148,7 +150,8 @@ impl Feed {
         }
         announced.ranks.insert(rank, files.clone());
         announced.version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
-        let len = announced.ranks.values().map(|f| f.len() as u64).sum();
+        let longest = announced.ranks.values().map(|f| f.len()).max().unwrap_or(0);
+        let len = (longest * st.lanes().len()) as u64;
         let most = st.followed.as_ref().map_or(0, |(_, n)| *n).max(files.len());
         st.followed = Some((stream.clone(), most));
         st.members.extend(files.iter().copied());
@@ -197,6 +200,11 @@ impl Feed {
             .unwrap_or_default()
     }
 
+    /// Lanes of the node stream: the ranks that announced any kept epoch.
+    pub fn lanes(&self) -> usize {
+        self.state.lock().lanes().len().max(1)
+    }
+
     /// Files announced for `epoch`, all ranks together.
     pub fn announced_len(&self, epoch: u64) -> u64 {
         self.state
@@ -206,22 +214,46 @@ impl Feed {
             .map_or(0, |a| a.ranks.values().map(|f| f.len() as u64).sum())
     }
 
-    /// The node's stream of `epoch`: its ranks' streams in lock-step (empty if unannounced).
-    pub fn node_stream(&self, epoch: u64) -> Vec<FileId> {
-        let streams: Vec<Arc<[FileId]>> = match self.state.lock().epochs.get(&epoch) {
-            Some(announced) => announced.ranks.values().cloned().collect(),
-            None => return Vec::new(),
+    /// The node's stream of `epoch`: its ranks' streams in lock-step, a lane each (empty if
+    /// unannounced).
+    pub fn node_stream(&self, epoch: u64) -> Vec<MaybeFile> {
+        let streams: Vec<Option<Arc<[FileId]>>> = {
+            let st = self.state.lock();
+            let Some(announced) = st.epochs.get(&epoch) else {
+                return Vec::new();
+            };
+            let lanes = st.lanes();
+            lanes
+                .iter()
+                .map(|r| announced.ranks.get(r).cloned())
+                .collect()
         };
-        let longest = streams.iter().map(|s| s.len()).max().unwrap_or(0);
-        let mut out = Vec::with_capacity(streams.iter().map(|s| s.len()).sum());
+        let longest = streams.iter().flatten().map(|s| s.len()).max().unwrap_or(0);
+        let mut out = Vec::with_capacity(longest * streams.len());
         for i in 0..longest {
-            out.extend(streams.iter().filter_map(|s| s.get(i)));
+            out.extend(
+                streams
+                    .iter()
+                    .map(|s| MaybeFile::new(s.as_ref().and_then(|s| s.get(i).copied()))),
+            );
         }
         out
     }
 }
 
 impl FeedState {
+    /// The ranks that announced any kept epoch, in rank order: one lane each.
+    fn lanes(&self) -> Vec<u32> {
+        let mut ranks: Vec<u32> = self
+            .epochs
+            .values()
+            .flat_map(|a| a.ranks.keys().copied())
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
     /// Remembers the files another stream announced (the newest streams kept).
     fn remember_other(&mut self, stream: &StreamKey, files: &[FileId]) {
         match self.others.iter_mut().find(|(key, _)| key == stream) {
@@ -247,6 +279,11 @@ mod tests {
             name: "train".into(),
             shuffled: true,
         }
+    }
+
+    /// The node stream of `epoch`, empty lane slots as `None`.
+    fn stream(feed: &Feed, epoch: u64) -> Vec<Option<FileId>> {
+        feed.node_stream(epoch).iter().map(|f| f.get()).collect()
     }
 
     fn len(taken: Result<Taken, FeedError>) -> u64 {
@@ -285,7 +322,7 @@ mod tests {
             Ok(Taken::Other)
         );
         assert_eq!(feed.followed(), Some(train()));
-        assert_eq!(feed.node_stream(0), [5, 1, 3]);
+        assert_eq!(stream(&feed, 0), [Some(5), Some(1), Some(3)]);
         assert!(feed.contains(3) && !feed.contains(100));
         assert_eq!(feed.other_stream_of(101).as_deref(), Some("val"));
         assert_eq!(feed.other_stream_of(5), None);
@@ -317,7 +354,7 @@ mod tests {
         assert_eq!(
             feed.announce(&train(), 0, 3, vec![7, 7].into()),
             Ok(Taken::Followed {
-                len: MAX_RANKS as u64 + 1,
+                len: 2 * MAX_RANKS as u64,
                 switched: false
             })
         );
@@ -333,14 +370,25 @@ mod tests {
             3
         );
         let v = feed.version_of(0);
-        assert_eq!(len(feed.announce(&train(), 0, 0, vec![1, 2].into())), 5);
+        // Two lanes of three: rank 0's shorter stream leaves its last slot empty.
+        assert_eq!(len(feed.announce(&train(), 0, 0, vec![1, 2].into())), 6);
         assert!(feed.version_of(0) > v);
         assert_eq!(feed.version_of(1), 0);
-        assert_eq!(feed.node_stream(0), [1, 10, 2, 11, 12]);
-        assert_eq!(len(feed.announce(&train(), 0, 0, vec![3].into())), 4);
-        assert_eq!(feed.node_stream(0), [3, 10, 11, 12]);
+        let (r0, r1) = (Some, Some);
+        assert_eq!(
+            stream(&feed, 0),
+            [r0(1), r1(10), r0(2), r1(11), None, r1(12)]
+        );
+        assert_eq!(len(feed.announce(&train(), 0, 0, vec![3].into())), 6);
+        assert_eq!(
+            stream(&feed, 0),
+            [r0(3), r1(10), None, r1(11), None, r1(12)]
+        );
         assert_eq!(feed.ranks(0), [0, 1]);
-        assert!(feed.node_stream(1).is_empty());
+        assert_eq!(feed.lanes(), 2);
+        // A rank that announced only epoch 0 keeps its lane, empty, in epoch 1.
+        feed.announce(&train(), 1, 1, vec![7].into()).unwrap();
+        assert_eq!(stream(&feed, 1), [None, Some(7)]);
     }
 
     #[test]
@@ -351,11 +399,11 @@ mod tests {
                 .unwrap();
         }
         assert!(feed.node_stream(5).is_empty());
-        assert_eq!(feed.node_stream(6), [6]);
-        assert_eq!(feed.node_stream(9), [9]);
+        assert_eq!(stream(&feed, 6), [Some(6)]);
+        assert_eq!(stream(&feed, 9), [Some(9)]);
         // A restarted job starts at 0 again: that is kept, the old run's epochs go.
         feed.announce(&train(), 0, 0, vec![0].into()).unwrap();
-        assert_eq!(feed.node_stream(0), [0]);
+        assert_eq!(stream(&feed, 0), [Some(0)]);
         assert!(feed.node_stream(9).is_empty());
     }
 }

@@ -14,7 +14,7 @@ mod tracker;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
@@ -134,13 +134,6 @@ impl EpochPlan {
             _ => &[],
         }
     }
-
-    /// First offset ≥ `from` where `file` is read.
-    pub fn next_offset(&self, file: FileId, from: u64) -> Option<u64> {
-        let offs = self.offsets_of(file);
-        let i = offs.partition_point(|&o| (o as u64) < from);
-        offs.get(i).map(|&o| o as u64)
-    }
 }
 
 /// What an announcement changed in a fed plan.
@@ -201,8 +194,10 @@ pub struct Plan {
     /// 0 until the first announcement, then grown (under the stager's lock, which moves the
     /// tracker to the new coordinates) when an announcement would not fit.
     epoch_len: AtomicU64,
-    /// What the job announced (used while the sampler is `feed`).
+    /// What the job announced (used while the sampler is `feed`), and its lanes when last
+    /// announced.
     feed: Feed,
+    fed_lanes: AtomicUsize,
     epochs: Mutex<Epochs>,
     /// Signalled when an epoch finishes building.
     built: Condvar,
@@ -232,6 +227,7 @@ impl Plan {
             id_space,
             epoch_len: AtomicU64::new(0),
             feed: Feed::default(),
+            fed_lanes: AtomicUsize::new(1),
             epochs: Mutex::new(Epochs::default()),
             built: Condvar::new(),
         };
@@ -322,6 +318,20 @@ impl Plan {
         self.sampler().predicts() && self.epoch_len() > 0
     }
 
+    /// Lanes of the node stream: one per local rank whose stream it interleaves (position `p`
+    /// of an epoch is lane `p % lanes`'s), so the tracker follows each rank on its own; one
+    /// for an order the node reads once.
+    pub fn lanes(&self) -> usize {
+        let order = self.order.read();
+        match order.sampler.kind {
+            SamplerKind::Feed => self.fed_lanes.load(Ordering::SeqCst).max(1),
+            SamplerKind::TorchDistributed if order.sampler.world_size > 1 => {
+                order.ranks.len().max(1)
+            }
+            _ => 1,
+        }
+    }
+
     /// Positions per epoch on this node (all local ranks together).
     pub fn epoch_len(&self) -> u64 {
         self.epoch_len.load(Ordering::Relaxed)
@@ -380,7 +390,10 @@ impl Plan {
             epochs.recent.clear();
             self.epoch_len.store(0, Ordering::SeqCst);
         }
-        let grew = self.grow_epoch_len(epoch, len);
+        // A rank's first announcement adds a lane: positions change rank, as when they grow.
+        let lanes = self.feed.lanes();
+        let lanes_changed = self.fed_lanes.swap(lanes, Ordering::SeqCst) != lanes;
+        let grew = self.grow_epoch_len(epoch, len) || lanes_changed;
         Ok(match (switched, grew) {
             (true, _) => FedChange::Switched,
             (false, true) => FedChange::Grown,
@@ -529,7 +542,7 @@ impl Plan {
         if order.sampler.kind == SamplerKind::Feed {
             let mut files = self.feed.node_stream(epoch);
             files.truncate(self.epoch_len() as usize);
-            return files.into_iter().map(MaybeFile::from).collect();
+            return files;
         }
         // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
@@ -588,29 +601,6 @@ impl Plan {
         let (e, o) = self.split(pos);
         self.planned(e).map(|plan| plan.file_at(o))
     }
-
-    /// Next global position ≥ `from` at which `file` is read, looking no further than the end
-    /// of the epoch after `from`'s (the horizon the stager plans for), and only into epochs
-    /// planned already: until then a file answers [`NEVER`], and the stager rekeys it once
-    /// the plan is there.
-    pub fn next_use(&self, file: FileId, from: Position) -> Position {
-        if !self.predicts() {
-            return NEVER;
-        }
-        let (e, o) = self.split(from);
-        // Never computes a plan: callers hold the stager's lock, and the planner thread
-        // computes epochs off it. An epoch not planned yet knows no next use.
-        if let Some(off) = self.planned(e).and_then(|plan| plan.next_offset(file, o)) {
-            return self.join(e, off);
-        }
-        match self
-            .planned(e + 1)
-            .and_then(|next| next.next_offset(file, 0))
-        {
-            Some(off) => self.join(e + 1, off),
-            None => NEVER,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -628,21 +618,6 @@ mod tests {
             n as usize,
         )
         .unwrap()
-    }
-
-    #[test]
-    fn the_next_epoch_counts_only_once_it_is_planned() {
-        let p = plan(50);
-        let file = p.files(1)[0];
-        // Where the file is read in epoch 0 does not matter: ask from past its last use.
-        let last_in_0 = *p.epoch(0).offsets_of(file).last().unwrap() as u64;
-        let from = p.join(0, last_in_0 + 1);
-        assert!(p.planned(1).is_none());
-        assert_eq!(p.next_use(file, from), NEVER);
-        assert_eq!(p.planned_file_at(p.join(1, 0)), None);
-        p.epoch(1);
-        assert_eq!(p.next_use(file, from), p.join(1, 0));
-        assert_eq!(p.planned_file_at(p.join(1, 0)), Some(Some(file)));
     }
 
     /// Positions of the epoch and the next must fit in 64 bits (the spin of `--epoch

@@ -18,7 +18,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::{Plan, Position};
+use super::{NEVER, Plan, Position};
 use crate::catalog::{FileId, MaybeFile};
 use crate::stats::EpochQuality;
 
@@ -97,21 +97,50 @@ pub struct Tracker {
     plan: Arc<Plan>,
     settings: TrackerSettings,
     mode: TrackerMode,
-    /// The cursor's epoch: `consumed` covers it and the next.
+    /// The slowest lane's epoch: `consumed` covers it and the next.
     base_epoch: u64,
     /// Read positions of `base_epoch` and the next epoch, one bitmap each.
     consumed: [Vec<u64>; 2],
-    cursor: Position,
-    /// The furthest predicted open (where matching reaches to).
-    high_water: Position,
-    /// The last [`FRONT_SAMPLE`] predicted positions, whose median drags the cursor.
-    front: VecDeque<Position>,
+    /// One per lane of the node stream (see [`Plan::lanes`]): each local rank is followed on
+    /// its own, so ranks that drift apart (no gradient sync, a slow node) keep their place.
+    lanes: Vec<Lane>,
     /// Recent opens and whether each was predicted.
     recent: VecDeque<(FileId, bool)>,
     recent_misses: usize,
     mispredictions: u64,
     /// Opens and predicted opens of the last few epochs, oldest first.
     quality: VecDeque<EpochQuality>,
+}
+
+/// Where one lane's reader is: its positions are `lane, lane + lanes, ...` of every epoch.
+#[derive(Clone, Debug)]
+struct Lane {
+    /// The lane's first unread position (see [`Tracker::advance`]).
+    cursor: Position,
+    /// The lane's furthest predicted open (where matching reaches to).
+    high_water: Position,
+    /// The lane's last [`FRONT_SAMPLE`] predicted positions, whose median drags its cursor.
+    front: VecDeque<Position>,
+}
+
+impl Lane {
+    fn at(cursor: Position) -> Lane {
+        Lane {
+            cursor,
+            high_water: cursor,
+            front: VecDeque::with_capacity(FRONT_SAMPLE),
+        }
+    }
+
+    /// Where the reader's front is: the median of the last predicted positions. Not the
+    /// furthest: a file read again (accelerate's `even_batches` re-reads an epoch's first
+    /// batch at its end; a retry; a peek) matches its next use, anywhere within reach, and
+    /// dragging the cursor there would skip positions still to be read.
+    fn front(&self) -> Option<Position> {
+        let mut recent: Vec<Position> = self.front.iter().copied().collect();
+        let middle = recent.len() / 2;
+        (!recent.is_empty()).then(|| *recent.select_nth_unstable(middle).1)
+    }
 }
 
 impl Tracker {
@@ -122,28 +151,29 @@ impl Tracker {
             TrackerMode::OnDemand
         };
         let words = plan.epoch_len().div_ceil(64) as usize;
-        Tracker {
+        let mut tracker = Tracker {
             plan,
             settings,
             mode,
             base_epoch: 0,
             consumed: [vec![0; words], vec![0; words]],
-            cursor: 0,
-            high_water: 0,
-            front: VecDeque::with_capacity(FRONT_SAMPLE),
+            lanes: Vec::new(),
             recent: VecDeque::with_capacity(settings.recent),
             recent_misses: 0,
             mispredictions: 0,
             quality: VecDeque::with_capacity(QUALITY_EPOCHS),
-        }
+        };
+        tracker.place_lanes(0);
+        tracker
     }
 
     pub fn mode(&self) -> TrackerMode {
         self.mode
     }
 
+    /// The slowest lane's first unread position: nothing before it is still to be read.
     pub fn cursor(&self) -> Position {
-        self.cursor
+        self.lanes.iter().map(|l| l.cursor).min().unwrap_or(0)
     }
 
     /// Opens not predicted while there was a prediction: matched nowhere within reach while
@@ -172,7 +202,7 @@ impl Tracker {
 
     /// (epoch, offset in epoch) of the cursor.
     pub fn epoch_position(&self) -> (u64, u64) {
-        self.plan.split(self.cursor)
+        self.plan.split(self.cursor())
     }
 
     /// Files of the most recent opens, oldest first (input to [`find_position`]).
@@ -195,7 +225,7 @@ impl Tracker {
     pub fn on_open(&mut self, file: FileId) -> OpenMatch {
         let mut result = OpenMatch::default();
         let epoch = self.base_epoch;
-        let before = self.cursor;
+        let before = self.cursor();
         let position = match self.mode {
             TrackerMode::Predicting => {
                 // A fed epoch announced since the last open may let the cursor on: judged
@@ -205,10 +235,7 @@ impl Tracker {
             }
             TrackerMode::Lost | TrackerMode::OnDemand => None,
         };
-        // Behind the cursor is not predicted either: in a wrong order skipped positions pile
-        // up there, and a legitimate late read is rare (the cursor waits half a reach).
-        let predicted =
-            position.is_some_and(|p| p >= self.cursor && p - self.cursor < self.reach());
+        let predicted = position.is_some_and(|p| self.is_predicted(p));
         if self.mode != TrackerMode::OnDemand {
             if !predicted {
                 self.mispredictions += 1;
@@ -217,11 +244,11 @@ impl Tracker {
         }
         self.remember(file, predicted || self.mode == TrackerMode::OnDemand);
         if let Some(pos) = position {
-            // A late read behind the cursor was read there; a match beyond reach is chance
-            // (or a file read again early), and marking it would make the real read of that
-            // position a misprediction in turn, epoch after epoch. Only predicted opens move
-            // the furthest read, which drags the cursor along.
-            if predicted || pos < self.cursor {
+            // A late read behind its lane's cursor was read there; a match beyond reach is
+            // chance (or a file read again early), and marking it would make the real read of
+            // that position a misprediction in turn, epoch after epoch. Only predicted opens
+            // move the lane's furthest read, which drags its cursor along.
+            if predicted || pos < self.lane_at(pos).cursor {
                 self.mark(pos);
             }
             if predicted {
@@ -229,8 +256,9 @@ impl Tracker {
             }
             self.advance();
         }
-        if self.cursor > before {
-            result.passed = Some((before, self.cursor));
+        let after = self.cursor();
+        if after > before {
+            result.passed = Some((before, after));
         }
         if self.mode == TrackerMode::Predicting && 2 * self.recent_misses > self.settings.recent {
             self.mode = TrackerMode::Lost;
@@ -238,6 +266,14 @@ impl Tracker {
         }
         result.position = position;
         result
+    }
+
+    /// Whether an open at `pos` is what the prediction expected: within reach ahead of its
+    /// lane's cursor. Behind it is not predicted either: in a wrong order skipped positions
+    /// pile up there, and a legitimate late read is rare (the cursor waits half a reach).
+    fn is_predicted(&self, pos: Position) -> bool {
+        let cursor = self.lane_at(pos).cursor;
+        pos >= cursor && pos - cursor < self.reach()
     }
 
     fn count_quality(&mut self, epoch: u64, predicted: bool) {
@@ -256,8 +292,8 @@ impl Tracker {
         q.predicted += u64::from(predicted);
     }
 
-    /// Moves the tracker to `pos` (a resynchronisation result or `stagefs epoch`)
-    /// and resumes predicting.
+    /// Moves the tracker to `pos` (a resynchronisation result or `stagefs epoch`), every lane
+    /// to its first position from there, and resumes predicting.
     pub fn reposition(&mut self, pos: Position) {
         if !self.plan.predicts() {
             return;
@@ -270,9 +306,7 @@ impl Tracker {
             c.clear();
             c.resize(words, 0);
         }
-        self.cursor = pos;
-        self.high_water = pos;
-        self.front.clear();
+        self.place_lanes(pos);
         self.recent.clear();
         self.recent_misses = 0;
         self.mode = TrackerMode::Predicting;
@@ -280,6 +314,15 @@ impl Tracker {
         let start = self.plan.join(epoch, 0);
         for p in start..pos {
             self.mark(p);
+        }
+        self.advance();
+    }
+
+    /// A lane per lane of the plan, each at its first position from `pos`.
+    fn place_lanes(&mut self, pos: Position) {
+        self.lanes = vec![Lane::at(pos); self.plan.lanes()];
+        for lane in 0..self.lanes.len() {
+            self.lanes[lane] = Lane::at(self.align(pos, lane));
         }
     }
 
@@ -289,8 +332,7 @@ impl Tracker {
     pub fn replay(&mut self, files: &[FileId]) {
         for &file in files {
             if let Some(pos) = self.match_open(file)
-                && pos >= self.cursor
-                && pos - self.cursor < self.reach()
+                && self.is_predicted(pos)
             {
                 self.mark(pos);
                 self.predicted_at(pos);
@@ -307,6 +349,64 @@ impl Tracker {
         self.recent_misses = 0;
     }
 
+    /// Whether position `pos` was read (by any lane).
+    pub fn is_read(&self, pos: Position) -> bool {
+        self.is_marked(pos)
+    }
+
+    /// When `file` is next needed, as a position on the slowest lane's clock: its next unread
+    /// position in the planned epochs (the cursor's and the next) from its lane's cursor on,
+    /// less how far that lane runs ahead of the slowest. [`NEVER`] if it is not within them.
+    /// What the cache's eviction ranks files by.
+    pub fn next_use(&self, file: FileId) -> Position {
+        if !self.plan.predicts() {
+            return NEVER;
+        }
+        for epoch in [self.base_epoch, self.base_epoch + 1] {
+            // Only epochs planned already: an open never waits for (or pays for) a plan.
+            let Some(plan) = self.plan.planned(epoch) else {
+                break;
+            };
+            for &off in plan.offsets_of(file) {
+                let pos = self.plan.join(epoch, off as u64);
+                if pos >= self.lane_at(pos).cursor && !self.is_marked(pos) {
+                    return self.on_slowest_clock(pos);
+                }
+            }
+        }
+        NEVER
+    }
+
+    /// `pos` on the slowest lane's clock: a lane ahead of the others reads its positions that
+    /// much sooner.
+    pub fn on_slowest_clock(&self, pos: Position) -> Position {
+        let lane = self.lane_of(pos);
+        let in_step = self.align(self.cursor(), lane);
+        let lead = self.lanes[lane].cursor.saturating_sub(in_step);
+        pos.saturating_sub(lead).max(self.cursor())
+    }
+
+    /// Which lane `pos` belongs to.
+    fn lane_of(&self, pos: Position) -> usize {
+        let (_, offset) = self.plan.split(pos);
+        (offset % self.lanes.len().max(1) as u64) as usize
+    }
+
+    fn lane_at(&self, pos: Position) -> &Lane {
+        &self.lanes[self.lane_of(pos)]
+    }
+
+    /// Lane `lane`'s first position at or after `pos`.
+    fn align(&self, pos: Position, lane: usize) -> Position {
+        let lanes = self.lanes.len().max(1) as u64;
+        let (epoch, offset) = self.plan.split(pos);
+        let aligned = offset + (lane as u64 + lanes - offset % lanes) % lanes;
+        if aligned >= self.plan.epoch_len() {
+            return self.plan.join(epoch + 1, lane as u64);
+        }
+        self.plan.join(epoch, aligned)
+    }
+
     fn remember(&mut self, file: FileId, matched: bool) {
         if self.recent.len() == self.settings.recent
             && let Some((_, was_matched)) = self.recent.pop_front()
@@ -320,20 +420,26 @@ impl Tracker {
         }
     }
 
-    /// Earliest unread planned position of `file` from one window behind the cursor to one
-    /// window past the furthest open.
+    /// The position an open of `file` was read at: of its unread planned positions from one
+    /// window behind the slowest cursor to one window past the furthest lane's reach, the one
+    /// its lane predicts nearest that lane's reader (a file is in every epoch, and with lanes
+    /// in different epochs two may expect it: the one reading near it now is the likely
+    /// reader), else the first.
     fn match_open(&self, file: FileId) -> Option<Position> {
         let lo = self
-            .cursor
+            .cursor()
             .saturating_sub(self.settings.window)
             .max(self.plan.join(self.base_epoch, 0));
         // Ahead, the window extends from the furthest open, not the cursor: a cursor held back
         // by positions the loader skipped must not stop matching the opens that follow.
-        let hi = self
-            .cursor
-            .max(self.high_water)
-            .saturating_add(self.settings.window);
-        for epoch in [self.base_epoch, self.base_epoch + 1] {
+        let furthest = (self.lanes.iter())
+            .map(|l| l.cursor.max(l.high_water))
+            .max()
+            .unwrap_or(0);
+        let hi = furthest.saturating_add(self.settings.window);
+        let mut first = None;
+        let mut nearest: Option<(u64, Position)> = None;
+        'epochs: for epoch in [self.base_epoch, self.base_epoch + 1] {
             // Only epochs planned already: an open must never wait for (or pay for) a plan;
             // the stager's planner computes the next epoch as soon as the cursor enters one.
             let Some(plan) = self.plan.planned(epoch) else {
@@ -342,14 +448,22 @@ impl Tracker {
             for &off in plan.offsets_of(file) {
                 let pos = self.plan.join(epoch, off as u64);
                 if pos >= hi {
-                    return None;
+                    break 'epochs;
                 }
-                if pos >= lo && !self.is_marked(pos) {
-                    return Some(pos);
+                if pos < lo || self.is_marked(pos) {
+                    continue;
+                }
+                first = first.or(Some(pos));
+                if self.is_predicted(pos) {
+                    let lane = self.lane_at(pos);
+                    let distance = pos.abs_diff(lane.front().unwrap_or(lane.cursor));
+                    if nearest.is_none_or(|(d, _)| distance < d) {
+                        nearest = Some((distance, pos));
+                    }
                 }
             }
         }
-        None
+        nearest.map(|(_, pos)| pos).or(first)
     }
 
     /// (which epoch bitmap, bit index) of a position, if it lies in the two tracked epochs.
@@ -374,61 +488,83 @@ impl Tracker {
     }
 
     fn predicted_at(&mut self, pos: Position) {
-        self.high_water = self.high_water.max(pos);
         // The median lags the newest by half the sample: a quarter of a (tiny) reach at most.
         let sample = (self.reach() / 4).clamp(1, FRONT_SAMPLE as u64) as usize;
-        while self.front.len() >= sample {
-            self.front.pop_front();
+        let lane = self.lane_of(pos);
+        let lane = &mut self.lanes[lane];
+        lane.high_water = lane.high_water.max(pos);
+        while lane.front.len() >= sample {
+            lane.front.pop_front();
         }
-        self.front.push_back(pos);
+        lane.front.push_back(pos);
     }
 
-    /// Where the reader's front is: the median of the last predicted positions. Not the
-    /// furthest: a file read again (accelerate's `even_batches` re-reads an epoch's first
-    /// batch at its end; a retry; a peek) matches its next use, anywhere within reach, and
-    /// dragging the cursor there would skip positions still to be read.
-    fn front(&self) -> Option<Position> {
-        let mut recent: Vec<Position> = self.front.iter().copied().collect();
-        let middle = recent.len() / 2;
-        (!recent.is_empty()).then(|| *recent.select_nth_unstable(middle).1)
-    }
-
-    /// Cursor = first unread position, but never more than half a reach behind the reader's
-    /// front ([`front`](Self::front)): what a loader left that far behind it is not coming
-    /// (e.g. a dropped last batch), and the opens after it must stay within reach. Positions never read are
-    /// passed over at once: a sample that cannot be served, and the rest of a fed epoch
-    /// shorter than the epoch length once the next one has been announced.
+    /// Every lane's cursor = its first unread position, but never more than half a reach
+    /// behind its reader's front ([`Lane::front`]): what a loader left that far behind it is
+    /// not coming (e.g. a dropped last batch), and the opens after it must stay within reach.
+    /// Positions never read are passed over at once: a sample that cannot be served, a slot
+    /// a shorter rank leaves empty, and the rest of a fed epoch shorter than the epoch length
+    /// once the next one has been announced. The bitmaps slide on as the slowest lane leaves
+    /// an epoch; a lane cannot run more than an epoch ahead of the slowest.
     fn advance(&mut self) {
-        if let Some(front) = self.front() {
-            self.cursor = self.cursor.max(front.saturating_sub(self.reach() / 2));
-        }
+        let half_reach = self.reach() / 2;
         loop {
-            if self.is_marked(self.cursor) {
-                self.cursor += 1;
-            } else {
-                let (epoch, offset) = self.plan.split(self.cursor);
-                match self.plan.planned(epoch) {
-                    Some(plan)
-                        if offset >= plan.len()
-                            && self
-                                .plan
-                                .planned(epoch + 1)
-                                .is_some_and(|next| next.len() > 0) =>
-                    {
-                        self.cursor = self.plan.join(epoch + 1, 0);
-                    }
-                    Some(plan) if offset < plan.len() && plan.file_at(offset).is_none() => {
-                        self.cursor += 1;
-                    }
-                    _ => break,
+            for lane in 0..self.lanes.len() {
+                if let Some(front) = self.lanes[lane].front() {
+                    let dragged = self.align(front.saturating_sub(half_reach), lane);
+                    self.lanes[lane].cursor = self.lanes[lane].cursor.max(dragged);
                 }
+                let cursor = self.passed_over(self.lanes[lane].cursor, lane);
+                self.lanes[lane].cursor = cursor;
             }
-            while self.cursor >= self.plan.join(self.base_epoch + 1, 0) {
-                // Slide the two epoch bitmaps forward by one epoch.
-                self.consumed.swap(0, 1);
-                self.consumed[1].fill(0);
-                self.base_epoch += 1;
+            if self.cursor() < self.plan.join(self.base_epoch + 1, 0) {
+                break;
             }
+            // Slide the two epoch bitmaps forward by one epoch.
+            self.consumed.swap(0, 1);
+            self.consumed[1].fill(0);
+            self.base_epoch += 1;
+        }
+    }
+
+    /// Lane `lane`'s first position from `cursor` on that is still to be read.
+    fn passed_over(&self, mut cursor: Position, lane: usize) -> Position {
+        let lanes = self.lanes.len() as u64;
+        loop {
+            let (epoch, offset) = self.plan.split(cursor);
+            let Some(plan) = self.plan.planned(epoch) else {
+                return cursor;
+            };
+            let past_end = offset >= plan.len();
+            if past_end {
+                // On to the next epoch once it is planned and has positions at all.
+                if self
+                    .plan
+                    .planned(epoch + 1)
+                    .is_some_and(|next| next.len() > 0)
+                {
+                    cursor = self.plan.join(epoch + 1, lane as u64);
+                    continue;
+                }
+                return cursor;
+            }
+            let read = self.bit(cursor).is_some() && self.is_marked(cursor);
+            if !read && plan.file_at(offset).is_some() {
+                return cursor;
+            }
+            if self.bit(cursor).is_none() {
+                // Beyond the two tracked epochs: the lane waits for the slowest.
+                return cursor;
+            }
+            cursor = if offset + lanes < plan.len() {
+                cursor + lanes
+            } else if plan.len() < self.plan.epoch_len() {
+                // Past the end of a (fed) epoch shorter than the epoch length: wait there for
+                // the next one to be announced.
+                self.plan.join(epoch, plan.len())
+            } else {
+                self.plan.join(epoch + 1, lane as u64)
+            };
         }
     }
 }
@@ -750,6 +886,58 @@ mod tests {
         assert_eq!(t.mispredictions(), 0);
         assert_eq!(t.quality_by_epoch().len(), 3);
         assert_eq!(t.prediction_quality(), Some(1.0));
+    }
+
+    #[test]
+    fn the_next_epoch_counts_only_once_it_is_planned() {
+        let p = plan(50, SamplerKind::TorchRandom, 7);
+        p.epoch(0);
+        let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+        let stream = p.files(0);
+        for &f in &stream {
+            t.on_open(f);
+        }
+        // Read in epoch 0; epoch 1 is not planned, so no next use is known.
+        assert_eq!(t.next_use(stream[0]), NEVER);
+        assert_eq!(t.plan.planned_file_at(p.join(1, 0)), None);
+        let next = p.epoch(1);
+        let at = next.offsets_of(stream[0])[0] as u64;
+        assert_eq!(t.next_use(stream[0]), p.join(1, at));
+        assert_eq!(
+            t.plan.planned_file_at(p.join(1, 0)),
+            Some(Some(next.file_at(0).unwrap()))
+        );
+    }
+
+    /// Two ranks of a node launched without gradient sync: one runs far ahead of the other,
+    /// further than any reach. Each is followed on its own, every open predicted, and a file
+    /// the fast rank reads soon ranks as soon as one the slow rank reads soon.
+    #[test]
+    fn ranks_far_apart_are_each_followed() {
+        let mut cfg = SamplerConfig::new(SamplerKind::TorchDistributed);
+        cfg.world_size = 2;
+        let layout = Arc::new(Layout::identity(2000));
+        let p = Arc::new(Plan::new(cfg, vec![0, 1], layout, 2000).unwrap());
+        let mut t = Tracker::new(p.clone(), TrackerSettings::default());
+        // Rank 1 reads 400 samples (800 positions, beyond the reach of 500) before rank 0
+        // starts; then both go on at the same pace to the end of epoch 1.
+        let lane = |epoch: u64, r: usize| -> Vec<FileId> {
+            p.files(epoch).into_iter().skip(r).step_by(2).collect()
+        };
+        let (r0, r1): (Vec<FileId>, Vec<FileId>) = (
+            [lane(0, 0), lane(1, 0)].concat(),
+            [lane(0, 1), lane(1, 1)].concat(),
+        );
+        let mut order: Vec<FileId> = r1[..400].to_vec();
+        for i in 0..1000 {
+            order.extend([r0[i], r1[400 + i]]);
+        }
+        assert!(all_predicted(&mut t, &order));
+        // Rank 0 starts epoch 1; rank 1 is 400 samples into it, 800 positions further on, and
+        // its next file ranks as soon as rank 0's next one.
+        assert_eq!(t.cursor(), p.join(1, 0));
+        assert_eq!(t.next_use(r0[1000]), p.join(1, 0));
+        assert_eq!(t.next_use(r1[1400]), p.join(1, 1));
     }
 
     #[test]

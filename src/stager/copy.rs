@@ -116,7 +116,7 @@ impl Inner {
                 Counters::add(&self.counters.source_bytes, bytes);
                 match st.tracker.mode() {
                     TrackerMode::Predicting => {
-                        let next = self.plan.next_use(file, st.tracker.cursor());
+                        let next = st.tracker.next_use(file);
                         st.space.evict.set_next_use(file, next);
                     }
                     // Staged ahead for a prediction dropped meanwhile: first to go, as the

@@ -44,7 +44,7 @@ impl Inner {
         }
         let (pos, file) = self.frontier_to_copy(st)?;
         let size = self.size_of(file);
-        if !self.make_room(st, size, pos) {
+        if !self.make_room(st, size, st.tracker.on_slowest_clock(pos)) {
             return None;
         }
         st.frontier += 1;
@@ -62,7 +62,11 @@ impl Inner {
     pub(super) fn copy_due(&self, st: &mut State) -> bool {
         self.frontier_to_copy(st).is_some_and(|(pos, file)| {
             st.space.used + st.space.reserved + self.size_of(file) <= st.space.capacity
-                || st.space.evict.furthest().is_some_and(|(key, _)| key > pos)
+                || st
+                    .space
+                    .evict
+                    .furthest()
+                    .is_some_and(|(key, _)| key > st.tracker.on_slowest_clock(pos))
         })
     }
 
@@ -81,7 +85,8 @@ impl Inner {
                 st.frontier = self.plan.join(epoch + 1, 0);
                 continue;
             }
-            let Some(file) = plan.file_at(offset) else {
+            // Nothing to serve there, or read already by a rank running ahead.
+            let Some(file) = plan.file_at(offset).filter(|_| !st.tracker.is_read(pos)) else {
                 st.frontier += 1;
                 continue;
             };

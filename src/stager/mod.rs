@@ -206,6 +206,8 @@ struct Inner {
     /// through the mount must be refused, not waited on (see [`Stager::is_copy_thread`]).
     copy_threads: Mutex<Vec<u32>>,
     shutdown: AtomicBool,
+    /// A dataset the job's hook could not map to files (its class name), for the statistics.
+    unmapped: Mutex<Option<String>>,
 }
 
 pub struct Stager {
@@ -266,7 +268,8 @@ impl Stager {
             state.files.set(file, FileState::Cached);
             state.unverified.insert(file);
             state.space.used += size;
-            state.space.evict.set_next_use(file, plan.next_use(file, 0));
+            let next = state.tracker.next_use(file);
+            state.space.evict.set_next_use(file, next);
             Counters::add(&counters.reused_files, 1);
         }
         if state.space.used > 0 {
@@ -290,6 +293,7 @@ impl Stager {
             plan_wanted: Condvar::new(),
             copy_threads: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
+            unmapped: Mutex::new(None),
         });
         {
             // Reused files beyond capacity (a smaller --cache-size than last time) go now,
@@ -449,6 +453,20 @@ impl Stager {
         Ok(())
     }
 
+    /// The job's hook found a dataset of class `kind` on the mount and cannot map it to files.
+    pub fn note_unmapped(&self, kind: &str) {
+        // A class name: what a client sends is kept short and printable.
+        let kind: String = kind
+            .chars()
+            .filter(|c| c.is_alphanumeric() || "_.".contains(*c))
+            .take(64)
+            .collect();
+        log::warn!(
+            "the job's hook cannot map its dataset ({kind}) to files: its order is not announced"
+        );
+        *self.inner.unmapped.lock() = Some(kind);
+    }
+
     pub fn gauges(&self) -> Gauges {
         let plan = &self.inner.plan;
         let st = self.inner.state.lock();
@@ -506,8 +524,21 @@ impl Drop for Stager {
 impl Inner {
     /// What is predicted and where it came from, in words (the statistics' `prediction`).
     fn prediction(&self, epoch: u64) -> String {
+        let said = self.what_is_predicted(epoch);
+        match self.unmapped.lock().as_deref() {
+            Some(kind) => format!(
+                "{said}; the job's hook cannot map its dataset ({kind}) to files, so its order is not announced"
+            ),
+            None => said,
+        }
+    }
+
+    fn what_is_predicted(&self, epoch: u64) -> String {
         let order = self.plan.order();
         match (order.provenance, order.sampler.kind) {
+            (Provenance::Announced, _) if self.plan.followed_stream().is_none() => {
+                "announced by the job: nothing announced yet".into()
+            }
             (Provenance::Announced, _) => "announced by the job".into(),
             (_, SamplerKind::None) => "none (on demand)".into(),
             (_, SamplerKind::Auto) => match self.detector.as_ref().map(Detector::state) {

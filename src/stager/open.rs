@@ -166,9 +166,7 @@ impl Inner {
                     // A new epoch enters the horizon: plan it and rekey, off this lock.
                     self.plan_ahead(st);
                 } else if st.space.evict.contains(file) {
-                    let next = self
-                        .plan
-                        .next_use(file, m.position.map_or(st.tracker.cursor(), |p| p + 1));
+                    let next = st.tracker.next_use(file);
                     st.space.evict.set_next_use(file, next);
                 }
                 // The lookahead window slid: if a copy is due, one idle worker takes it and

@@ -52,12 +52,10 @@ impl Inner {
                 if st.tracker.mode() != TrackerMode::Predicting {
                     break;
                 }
-                let cursor = st.tracker.cursor();
                 for &file in chunk {
                     if st.space.evict.key(file) == Some(NEVER) {
-                        st.space
-                            .evict
-                            .set_next_use(file, self.plan.next_use(file, cursor));
+                        let next = st.tracker.next_use(file);
+                        st.space.evict.set_next_use(file, next);
                     }
                 }
                 // Waiting opens go before the next chunk.
@@ -92,9 +90,8 @@ impl Inner {
                     st.ahead_bytes = st.ahead_bytes.saturating_sub(self.size_of(file));
                 }
                 if st.space.evict.contains(file) {
-                    st.space
-                        .evict
-                        .set_next_use(file, self.plan.next_use(file, to));
+                    let next = st.tracker.next_use(file);
+                    st.space.evict.set_next_use(file, next);
                 }
             }
             pos += end;
@@ -106,11 +103,9 @@ impl Inner {
     }
 
     pub(super) fn rekey_all(&self, st: &mut State) {
-        let cursor = st.tracker.cursor();
         for file in st.space.evict.files() {
-            st.space
-                .evict
-                .set_next_use(file, self.plan.next_use(file, cursor));
+            let next = st.tracker.next_use(file);
+            st.space.evict.set_next_use(file, next);
         }
     }
 

@@ -18,7 +18,7 @@ sent = []
 
 
 def fake_target(dataset):
-    return ("/fake", "@fake", None)
+    return ("/fake", "@fake", None, None)
 
 
 class FakeChannel:
@@ -115,16 +115,13 @@ def main():
     for name, make, epoch_hook in loaders():
         sent.clear()
         stagefs_feed._epochs.clear()
-        stagefs_feed._followed.clear()
         for interruption in INTERRUPTIONS[1:]:
-            stagefs_feed._followed.clear()
             drawn = run(make, True, epoch_hook=epoch_hook, interruption=interruption)
             if drawn != plain[(name, interruption)]:
                 print(f"{name}, {interruption}: the hook changed what the job drew", file=sys.stderr)
                 failures += 1
         sent.clear()
         stagefs_feed._epochs.clear()
-        stagefs_feed._followed.clear()
         order, after = run(make, True, epoch_hook=epoch_hook)
         if (order, after) != plain[(name, None)]:
             print(f"{name}: the hook changed what the job drew", file=sys.stderr)
@@ -139,7 +136,6 @@ def main():
             if epoch + 1 < 3 and ahead.get(epoch + 1) != order[epoch + 1]:
                 print(f"{name}: epoch {epoch + 1} announced ahead wrong", file=sys.stderr)
                 failures += 1
-    stagefs_feed._followed.clear()
     if run(short_loader, True) != plain_short:
         print("a sampler shorter than its len(): the hook changed what the job drew", file=sys.stderr)
         failures += 1
