@@ -32,6 +32,14 @@ const MIN_REACH: u64 = 256;
 /// probability at most 1 / CHANCE_DIVISOR.
 const CHANCE_DIVISOR: u64 = 4;
 
+/// A detected order's first opens of a later epoch judged on their own: a variant of the order
+/// (see `order::detect::variants`) reads the first epoch alike and differs from the second on,
+/// so when half of that epoch's first opens are unpredicted the tracker is lost at once rather
+/// than after half of [`TrackerSettings::recent`] opens, and the variant is switched to within
+/// the epoch's first batches.
+const EARLY_OPENS: u64 = 32;
+const EARLY_MISSES: u64 = EARLY_OPENS / 2;
+
 /// Epochs whose prediction quality is kept (the reader's and the few before it).
 const QUALITY_EPOCHS: usize = 8;
 /// Predicted positions the reader's front is the median of: a few re-read files among them
@@ -260,12 +268,22 @@ impl Tracker {
         if after > before {
             result.passed = Some((before, after));
         }
-        if self.mode == TrackerMode::Predicting && 2 * self.recent_misses > self.settings.recent {
+        if self.mode == TrackerMode::Predicting
+            && (2 * self.recent_misses > self.settings.recent || self.doubts_epoch_start())
+        {
             self.mode = TrackerMode::Lost;
             result.became_lost = true;
         }
         result.position = position;
         result
+    }
+
+    /// Whether the first opens of a later epoch of a detected order were mostly unpredicted
+    /// (see [`EARLY_OPENS`]).
+    fn doubts_epoch_start(&self) -> bool {
+        self.quality.back().is_some_and(|q| {
+            q.epoch > 0 && q.opens <= EARLY_OPENS && q.opens - q.predicted >= EARLY_MISSES
+        }) && self.plan.order().provenance == super::Provenance::Detected
     }
 
     /// Whether an open at `pos` is what the prediction expected: within reach ahead of its
@@ -420,11 +438,11 @@ impl Tracker {
         }
     }
 
-    /// The position an open of `file` was read at: of its unread planned positions from one
-    /// window behind the slowest cursor to one window past the furthest lane's reach, the one
-    /// its lane predicts nearest that lane's reader (a file is in every epoch, and with lanes
-    /// in different epochs two may expect it: the one reading near it now is the likely
-    /// reader), else the first.
+    /// The position an open of `file` was read at: its first unread planned position from
+    /// one window behind the slowest cursor to one window past the furthest lane's reach, in
+    /// each lane; of several lanes', the one its lane predicts nearest that lane's reader (a
+    /// file is in every epoch, and with lanes in different epochs two may expect it: the one
+    /// reading near it now is the likely reader), else the first.
     fn match_open(&self, file: FileId) -> Option<Position> {
         let lo = self
             .cursor()
@@ -437,8 +455,8 @@ impl Tracker {
             .max()
             .unwrap_or(0);
         let hi = furthest.saturating_add(self.settings.window);
-        let mut first = None;
-        let mut nearest: Option<(u64, Position)> = None;
+        // The first unread position in each lane, in position order.
+        let mut firsts: Vec<Position> = Vec::new();
         'epochs: for epoch in [self.base_epoch, self.base_epoch + 1] {
             // Only epochs planned already: an open must never wait for (or pay for) a plan;
             // the stager's planner computes the next epoch as soon as the cursor enters one.
@@ -450,20 +468,22 @@ impl Tracker {
                 if pos >= hi {
                     break 'epochs;
                 }
-                if pos < lo || self.is_marked(pos) {
-                    continue;
-                }
-                first = first.or(Some(pos));
-                if self.is_predicted(pos) {
-                    let lane = self.lane_at(pos);
-                    let distance = pos.abs_diff(lane.front().unwrap_or(lane.cursor));
-                    if nearest.is_none_or(|(d, _)| distance < d) {
-                        nearest = Some((distance, pos));
-                    }
+                let lane = self.lane_of(pos);
+                if pos >= lo
+                    && !self.is_marked(pos)
+                    && !firsts.iter().any(|&p| self.lane_of(p) == lane)
+                {
+                    firsts.push(pos);
                 }
             }
         }
-        nearest.map(|(_, pos)| pos).or(first)
+        let nearest = (firsts.iter().copied())
+            .filter(|&pos| self.is_predicted(pos))
+            .min_by_key(|&pos| {
+                let lane = self.lane_at(pos);
+                pos.abs_diff(lane.front().unwrap_or(lane.cursor))
+            });
+        nearest.or(firsts.first().copied())
     }
 
     /// (which epoch bitmap, bit index) of a position, if it lies in the two tracked epochs.

@@ -27,7 +27,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -128,6 +128,8 @@ pub(super) struct Detector {
     /// Set while a search runs when a new reader opened its first file meanwhile: the search
     /// stops and starts again with the opens so far.
     give_up: AtomicBool,
+    /// The epoch the job was in when its order was found.
+    found_at: AtomicU64,
     datasets: Arc<Datasets>,
     /// How many files each directory holds, all levels down (the first epoch's length).
     files_below: HashMap<FileId, u32>,
@@ -149,6 +151,7 @@ impl Detector {
                 restarts: 0,
             }),
             give_up: AtomicBool::new(false),
+            found_at: AtomicU64::new(0),
             datasets,
             files_below,
         }
@@ -317,8 +320,15 @@ impl Detector {
         self.observed.lock().state = DetectionState::Found(flags);
     }
 
-    fn found(&self, flags: String) {
+    fn found(&self, flags: String, epoch: u64) {
+        self.found_at.store(epoch, Ordering::SeqCst);
         self.finish(DetectionState::Found(flags));
+    }
+
+    /// The epoch the job was in when its order was found: a variant found later is named
+    /// from there, as the job ran it from its start.
+    pub(super) fn found_at(&self) -> u64 {
+        self.found_at.load(Ordering::SeqCst)
     }
 }
 
@@ -557,7 +567,7 @@ impl Inner {
         match self.switch_to(order, epoch) {
             Ok(true) => {
                 log::warn!("--sampler auto detected: {flags}; staging ahead from now on");
-                detector.found(flags);
+                detector.found(flags, epoch);
             }
             // The job announces its order (which ended the detection): that takes precedence.
             Ok(false) if !detector.is_active() => {}

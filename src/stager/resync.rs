@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::detection::Detector;
 use super::{Inner, State};
 use crate::catalog::FileId;
 use crate::order::{SamplerKind, detect};
@@ -62,15 +63,23 @@ impl Inner {
             crate::plan::find_position(&self.plan, recent, epochs, window)
         };
         // The reader's epoch and the next first: a job that skipped ahead, or a loader that
-        // raced past a gap. Found in an earlier epoch or not at all, another configuration
-        // may explain the opens (a detected order is switched to it), before the search
+        // raced past a gap. Found in an earlier epoch, or explaining fewer of the opens than
+        // another configuration does (a detected order is switched to it), the search
         // widens to every epoch a restarted or resumed job may be in.
-        let near = find(around_epoch.saturating_sub(1)..around_epoch + 2);
-        let mut found = near.filter(|&pos| self.plan.split(pos).0 >= around_epoch);
-        if found.is_none() && self.follow_variant(recent, around_epoch) {
+        let order = self.plan.order();
+        let near = self
+            .placed(&order, recent, around_epoch)
+            .filter(|&(_, epoch, _)| epoch >= around_epoch);
+        let variant = self
+            .best_variant(&order, recent, around_epoch)
+            .filter(|(count, ..)| near.is_none_or(|(n, ..)| *count > n));
+        if let Some((_, variant, epoch)) = variant
+            && self.follow_variant(&order, variant, epoch)
+        {
             self.state.lock().resync_running = false;
             return;
         }
+        let mut found = near.map(|(_, epoch, offset)| self.plan.join(epoch, offset));
         // From epoch 0 (a job restarted from scratch) to well past the current epoch (a resumed
         // job), within a CPU budget.
         let span = (RESYNC_BUDGET / self.plan.epoch_len().max(1)).clamp(2, 1000);
@@ -104,15 +113,13 @@ impl Inner {
         self.work.notify_all();
     }
 
-    /// Whether a variant of the order (see [`detect::variants`]) explains `recent` in the
-    /// epochs around `around_epoch`: a detected order is switched to it (true); for one the
-    /// user configured, the log says which flags would predict it.
-    fn follow_variant(&self, recent: &[FileId], around_epoch: u64) -> bool {
-        let order = self.plan.order();
-        let Some((variant, epoch)) = self.best_variant(&order, recent, around_epoch) else {
-            return false;
-        };
-        let flags = variant.flags(epoch);
+    /// Switches a detected order to `variant`, which explains the recent opens better with
+    /// the reader in `epoch` (true); for one the user configured, the log says which flags
+    /// would predict it.
+    fn follow_variant(&self, order: &Order, variant: Order, epoch: u64) -> bool {
+        // Named as the job would be from its start: the epoch it was first found in.
+        let start = self.detector.as_ref().map_or(epoch, Detector::found_at);
+        let flags = variant.flags(start.min(epoch));
         if order.provenance != Provenance::Detected {
             let hint = format!(
                 "the job's opens follow {flags}: remount with those flags (or with none: --sampler auto)"
@@ -141,38 +148,51 @@ impl Inner {
         }
     }
 
-    /// The variant of `order` that best explains `recent` in the epochs around `around_epoch`.
+    /// Where `order` places the most of `recent` in the epochs around `around_epoch`: how
+    /// many, in which epoch, and the offset just after the last of them.
+    fn placed(
+        &self,
+        order: &Order,
+        recent: &[FileId],
+        around_epoch: u64,
+    ) -> Option<(usize, u64, u64)> {
+        let window = self.settings.tracker.window;
+        (around_epoch.saturating_sub(1)..=around_epoch + 1)
+            .filter_map(|epoch| {
+                let stream = self.plan.stream_of(order, epoch);
+                let span = crate::plan::reach(stream.len() as u64, window);
+                let run = crate::plan::densest_run(&stream, recent, span)?;
+                Some((run.count, epoch, run.after))
+            })
+            .max_by_key(|&(count, ..)| count)
+    }
+
+    /// The variant of `order` that best explains `recent` in the epochs around `around_epoch`:
+    /// how many of them it places, the variant, and the epoch they are in.
     fn best_variant(
         &self,
         order: &Order,
         recent: &[FileId],
         around_epoch: u64,
-    ) -> Option<(Order, u64)> {
-        let window = self.settings.tracker.window;
-        let mut best: Option<(usize, Order, u64)> = None;
-        for sampler in detect::variants(&order.sampler, around_epoch) {
-            // One replica's order is the node's whole stream, whichever rank opened first.
-            let ranks = if sampler.world_size == 1 {
-                vec![0]
-            } else {
-                order.ranks.clone()
-            };
-            let variant = Order {
-                sampler,
-                ranks,
-                provenance: order.provenance,
-                layout: order.layout.clone(),
-            };
-            for epoch in around_epoch.saturating_sub(1)..=around_epoch + 1 {
-                let stream = self.plan.stream_of(&variant, epoch);
-                let span = crate::plan::reach(stream.len() as u64, window);
-                if let Some(run) = crate::plan::densest_run(&stream, recent, span)
-                    && best.as_ref().is_none_or(|(c, ..)| run.count > *c)
-                {
-                    best = Some((run.count, variant.clone(), epoch));
-                }
-            }
-        }
-        best.map(|(_, order, epoch)| (order, epoch))
+    ) -> Option<(usize, Order, u64)> {
+        detect::variants(&order.sampler, around_epoch)
+            .into_iter()
+            .filter_map(|sampler| {
+                // One replica's order is the node's whole stream, whichever rank opened first.
+                let ranks = if sampler.world_size == 1 {
+                    vec![0]
+                } else {
+                    order.ranks.clone()
+                };
+                let variant = Order {
+                    sampler,
+                    ranks,
+                    provenance: order.provenance,
+                    layout: order.layout.clone(),
+                };
+                let (count, epoch, _) = self.placed(&variant, recent, around_epoch)?;
+                Some((count, variant, epoch))
+            })
+            .max_by_key(|(count, ..)| *count)
     }
 }
