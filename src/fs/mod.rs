@@ -16,6 +16,7 @@ mod dataset;
 mod error;
 mod fuse;
 mod launcher;
+mod offload;
 mod opens;
 mod ops;
 mod xattr;
