@@ -22,11 +22,24 @@
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
+//! SOURCE may hang (a parallel file system's server stops answering): no FUSE thread waits
+//! on it. A check that needs SOURCE is asked on `offload`'s threads and the request answered
+//! from there; if SOURCE has not answered within its bound, SOURCE's last refusal of this
+//! credential for the entry stands, and otherwise the kernel's own check decides, which the
+//! request has already passed: the catalogued mode bits and, on a shared mount, SOURCE's ACLs
+//! as last read (FUSE_POSIX_ACL; an ACL never read is EIO, see `xattr`). An open so decided
+//! is served only from a cached copy (anything else needs SOURCE anyway: EIO). What is lost
+//! while SOURCE is hung is only what SOURCE alone knows (a permission changed since the scan,
+//! a server's own policy); refusing with EIO instead would stop every other user's job at
+//! the first hang, while the cache could serve it. The daemon's own user's requests never
+//! ask SOURCE.
+//!
 //! Re-entrancy: an open of a file not cached that comes from one of the stager's copy threads
 //! (which opened a SOURCE path leading back into the mount) is answered at once with EDEADLK
-//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits: a
-//! cache hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog
-//! or SOURCE, and a read needs a handle that only an open grants.
+//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits on
+//! a FUSE thread: a cache hit is answered at once, lookup, getattr, readdir and our xattrs
+//! answer from the catalog, SOURCE's attributes and statfs through `offload`, and a read
+//! needs a handle that only an open grants.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};

@@ -35,6 +35,8 @@ struct Queue {
     deadlines: VecDeque<(Instant, Task)>,
     /// When each thread's current call was asked for, if it is in one.
     busy_since: Vec<Option<Instant>>,
+    /// A request got its fallback since SOURCE last answered in time (logged once per stall).
+    stalled: bool,
     shutdown: bool,
 }
 
@@ -56,6 +58,7 @@ impl Offload {
                 calls: VecDeque::new(),
                 deadlines: VecDeque::new(),
                 busy_since: vec![None; THREADS],
+                stalled: false,
                 shutdown: false,
             }),
             work: Condvar::new(),
@@ -86,10 +89,12 @@ impl Offload {
     ) {
         let answer = Arc::new(Mutex::new(Some(answer)));
         let answered = Arc::new(AtomicBool::new(false));
+        let (shared, returned) = (self.shared.clone(), self.shared.clone());
         let late = {
             let (answer, answered) = (answer.clone(), answered.clone());
             move || {
                 if let Some(a) = answer.lock().take() {
+                    shared.note_stall();
                     answered.store(true, Ordering::SeqCst);
                     a(fallback());
                 }
@@ -100,6 +105,7 @@ impl Offload {
                 return;
             }
             let result = call();
+            returned.note_answer();
             if let Some(a) = answer.lock().take() {
                 a(result);
             }
@@ -122,6 +128,22 @@ impl Offload {
         drop(q);
         self.shared.work.notify_one();
         self.shared.timer.notify_one();
+    }
+}
+
+impl Shared {
+    fn note_stall(&self) {
+        if !std::mem::replace(&mut self.queue.lock().stalled, true) {
+            log::warn!(
+                "SOURCE has not answered within {BOUND:?}: requests that need it are answered from what is known without it until it does"
+            );
+        }
+    }
+
+    fn note_answer(&self) {
+        if std::mem::take(&mut self.queue.lock().stalled) {
+            log::info!("SOURCE answers again");
+        }
     }
 }
 

@@ -1,5 +1,7 @@
 //! Extended attributes: statistics and control under `user.stagefs.*`, the source's own
-//! attributes passed through unchanged.
+//! attributes passed through unchanged, read off the FUSE threads (`offload`): EIO if SOURCE
+//! does not answer in time, except POSIX ACLs, which get SOURCE's last answer (kept per
+//! entry, [`Acls`]) and EIO only if there is none.
 //!
 //! Ours are answered by name but never listed, so `cp -a`, `rsync -X` and `getfattr -d` copy
 //! or show only what the dataset itself carries (`getfattr -n NAME` still reads them).
