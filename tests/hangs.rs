@@ -1,7 +1,8 @@
 //! Nothing waits forever, and a mount is its own (issue #12): `stagefs unmount` and `stagefs
 //! stats` answer within seconds when the daemon is stopped; an exiting daemon never unmounts a
 //! mount made after its own at the same path; two mounts started together at one mountpoint
-//! give one mount; a printing command whose pipe closes ends quietly.
+//! give one mount; a printing command whose pipe closes ends quietly. And a hung SOURCE (issue
+//! #31) holds up no cache hit, stat, `df` or `stagefs stats`, for any user.
 mod common;
 
 use std::path::Path;
@@ -363,4 +364,97 @@ fn stats_of_a_killed_daemon_says_how_to_remove_its_mount() {
     );
     let mnt = m.mnt.clone();
     unmount_with_the_command(m, &mnt);
+}
+
+/// Starts `cmd args` as uid/gid 65534 (nobody), or as root if `nobody` is false.
+fn start_as(nobody: bool, cmd: &Path, args: &[&Path]) -> std::process::Child {
+    let mut c = Command::new("setpriv");
+    if nobody {
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+    }
+    c.arg(cmd)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run setpriv (util-linux)")
+}
+
+/// Issue #31: with SOURCE hung, another user's stat and open of a cached file waited on it
+/// (its ACLs and the permission walk were read on FUSE threads), and a few `df` took every
+/// FUSE thread, after which every request hung, root's hits included. SOURCE here is the
+/// slow remote, frozen once every file is cached. A process waiting on a FUSE answer cannot
+/// be killed, so the test polls, thaws SOURCE, and then asserts.
+#[test]
+fn a_hung_source_holds_up_no_hit_stat_or_df_for_any_user() {
+    use stagefs::slow_remote::{Latency, SlowRemote};
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let backing = tmp.path().join("backing");
+    let files = image_folder(&backing, 12, 3, 100, 1000);
+    let remote = tmp.path().join("remote");
+    std::fs::create_dir(&remote).unwrap();
+    let latency = Latency {
+        metadata: Duration::from_millis(1),
+    };
+    let slow = SlowRemote::mount_for_everyone(&backing, &remote, latency).unwrap();
+    let m = TestMount::new(&remote, tmp.path(), &["--allow-other"]);
+    let in_mount: Vec<_> = files
+        .iter()
+        .map(|f| m.mnt.join(f.strip_prefix(&backing).unwrap()))
+        .collect();
+    for f in &in_mount {
+        std::fs::read(f).unwrap();
+    }
+    assert_eq!(m.wait_stat("staged_files", 12), 12, "{}", m.stats());
+    // Nobody has read half of them before: SOURCE said yes then.
+    let (known, unknown) = in_mount.split_at(6);
+    let cat = Path::new("cat");
+    for f in known {
+        assert!(start_as(true, cat, &[f]).wait().unwrap().success(), "{f:?}");
+    }
+    slow.freeze();
+    // Past the remote's attribute and entry TTL (1 s): from now on every SOURCE call waits.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut runs = Vec::new();
+    for i in 0..12 {
+        runs.push(("df", start_as(i % 2 == 0, Path::new("df"), &[&m.mnt])));
+    }
+    for f in known {
+        runs.push(("root cat", start_as(false, cat, &[f])));
+        runs.push(("nobody cat (known)", start_as(true, cat, &[f])));
+    }
+    for f in unknown {
+        runs.push(("root cat", start_as(false, cat, &[f])));
+        runs.push(("nobody stat", start_as(true, Path::new("stat"), &[f])));
+        runs.push(("nobody cat (unknown)", start_as(true, cat, &[f])));
+    }
+    runs.push((
+        "stagefs stats",
+        start_as(false, &bin(), &[Path::new("stats"), &m.mnt]),
+    ));
+    let started = Instant::now();
+    let mut ended: Vec<_> = runs.iter().map(|_| None).collect();
+    while ended.iter().any(Option::is_none) && started.elapsed() < BOUND {
+        for ((_, child), end) in runs.iter_mut().zip(&mut ended) {
+            if end.is_none() {
+                *end = child.try_wait().unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    slow.thaw();
+    for ((what, mut child), end) in runs.into_iter().zip(ended) {
+        let Some(status) = end else {
+            let _ = child.wait();
+            panic!("{what} waited on the hung SOURCE for {BOUND:?}");
+        };
+        // Answered from what is known without SOURCE; only files nobody was never allowed
+        // by SOURCE may be refused.
+        if !what.ends_with("(unknown)") && what != "nobody stat" {
+            assert!(status.success(), "{what}: {status}");
+        }
+    }
+    m.unmount();
 }

@@ -13,6 +13,7 @@ mod common;
 use std::ffi::{CString, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -438,6 +439,50 @@ fn tree_reads_like_source_without_prediction() {
 #[test]
 fn tree_reads_like_source_with_default_sampler() {
     check_tree_through_mount(&[], "auto");
+}
+
+/// `relative` beneath `root`, reached one directory at a time through the previous one's
+/// descriptor (`/proc/self/fd/N/name`): no call takes a path longer than one name, so it
+/// works below PATH_MAX's depth. Makes each directory on the way first if `make`.
+fn walk_down(root: &Path, relative: &Path, make: bool) -> File {
+    let mut at = File::open(root).unwrap();
+    for name in relative.iter() {
+        let next = PathBuf::from(format!("/proc/self/fd/{}", at.as_raw_fd())).join(name);
+        if make {
+            fs::create_dir(&next).unwrap();
+        }
+        at = File::open(&next).unwrap_or_else(|e| panic!("{}: {e}", next.display()));
+    }
+    at
+}
+
+fn in_dir(dir: &File, name: &str) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))
+}
+
+/// Issue #31: entries deeper than PATH_MAX were silently missing from the mount (the scan
+/// `lstat`ed full paths, which the kernel refuses past 4096 bytes). Now they are listed,
+/// served, staged and then served from the cache.
+#[test]
+fn a_tree_deeper_than_path_max_is_mounted_and_served() {
+    let work = tempfile::tempdir().unwrap();
+    let src = work.path().join("src");
+    fs::create_dir(&src).unwrap();
+    let deep: PathBuf = std::iter::once("class".to_string())
+        .chain(std::iter::repeat_n("d".repeat(200), 30))
+        .collect();
+    assert!(deep.as_os_str().len() > 4096);
+    fs::write(in_dir(&walk_down(&src, &deep, true), "f.jpg"), b"deep").unwrap();
+    fs::write(src.join("class/top.jpg"), b"top").unwrap();
+    let m = TestMount::new(&src, work.path(), &[]);
+    let bottom = walk_down(&m.mnt, &deep, false);
+    assert_eq!(fs::read(in_dir(&bottom, "f.jpg")).unwrap(), b"deep");
+    assert_eq!(m.wait_stat("staged_files", 1), 1, "{}", m.stats());
+    let hits = m.stat("hits");
+    assert_eq!(fs::read(in_dir(&bottom, "f.jpg")).unwrap(), b"deep");
+    assert_eq!(m.stat("hits"), hits + 1, "served from the cache");
+    drop(bottom);
+    m.unmount();
 }
 
 // ---------------------------------------------------------------------------------------

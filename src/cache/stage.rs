@@ -113,19 +113,29 @@ impl CacheDir {
         let mut copied = 0u64;
         // Hashed as copied, from the very bytes written: no second read of either file.
         let mut hasher = Xxh3::new();
-        loop {
+        // Read up to the catalogued size and one byte more, which tells a file that grew:
+        // a file written to while copied must not fill the cache (nor take a copy thread
+        // for as long as its writer goes on).
+        let limit = entry.size.saturating_add(1);
+        while copied < limit {
             if stop.load(Ordering::Relaxed) {
                 return Err(CopyError::Stopped);
             }
-            let n = match src.read(&mut buf) {
+            let want = buf
+                .len()
+                .min((limit - copied).try_into().unwrap_or(usize::MAX));
+            let n = match src.read(&mut buf[..want]) {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(src_err(e)),
             };
+            copied += n as u64;
+            if copied > entry.size {
+                break; // grew: not the catalogued file, nothing of it is kept
+            }
             out.write_all(&buf[..n]).map_err(cache_err)?;
             hasher.update(&buf[..n]);
-            copied += n as u64;
         }
         // The source must still be the file we catalogued, or the copy could mix versions.
         if copied != entry.size || !entry.is_unchanged(&src.metadata().map_err(src_err)?) {

@@ -255,6 +255,32 @@ fn a_stopped_copy_leaves_nothing_behind() {
     assert!(left.is_empty(), "no temporary copy: {left:?}");
 }
 
+/// A file that grows while copied (here: before the copy, by far) is read only up to its
+/// catalogued size and one byte more: a writer appending to it cannot fill the cache.
+#[test]
+fn a_grown_file_is_read_no_further_than_its_catalogued_size() {
+    let (tmp, catalog, id) = source_with(b"the dataset's bytes");
+    let root = tmp.path().join("cache");
+    let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
+    let path = catalog.source_path(id);
+    let mut grow = fs::OpenOptions::new().append(true).open(&path).unwrap();
+    grow.write_all(&vec![7u8; 8 << 20]).unwrap();
+    let src = File::open(&path).unwrap();
+    // Shares the file offset with `src`: how far the copy read.
+    let mut offset = src.try_clone().unwrap();
+    let result = cache.stage(src, &catalog, id, &AtomicBool::new(false));
+    assert!(
+        matches!(result, Err(CopyError::SourceChanged(_))),
+        "{result:?}"
+    );
+    use std::io::Seek;
+    let read = offset.stream_position().unwrap();
+    assert!(read <= 19 + 1, "read {read} bytes of a 19-byte file");
+    assert!(cache.open_cached(&catalog, id).is_err(), "no copy");
+    let left: Vec<_> = fs::read_dir(root.join("stagefs/tmp")).unwrap().collect();
+    assert!(left.is_empty(), "no temporary copy: {left:?}");
+}
+
 #[test]
 fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     let (tmp, catalog, id) = source_with(b"the dataset's bytes");

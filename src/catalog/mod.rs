@@ -74,6 +74,19 @@ impl Kind {
             Kind::BlockDevice
         }
     }
+
+    /// The kind of a file from the type bits of its `st_mode`.
+    pub fn of_mode(mode: u32) -> Kind {
+        match mode & libc::S_IFMT {
+            libc::S_IFDIR => Kind::Directory,
+            libc::S_IFREG => Kind::File,
+            libc::S_IFLNK => Kind::Symlink,
+            libc::S_IFIFO => Kind::Fifo,
+            libc::S_IFSOCK => Kind::Socket,
+            libc::S_IFCHR => Kind::CharDevice,
+            _ => Kind::BlockDevice,
+        }
+    }
 }
 
 /// One node of the tree. Kept small: it is paid once per file of the dataset. Packed to
@@ -112,6 +125,11 @@ const _: () = assert!(std::mem::size_of::<Entry>() == 52);
 /// while its inode numbers and ctimes stay (they come from the server).
 pub fn identity(m: &std::fs::Metadata) -> u64 {
     use std::os::unix::fs::MetadataExt;
+    identity_of(m.ino(), m.ctime(), m.ctime_nsec())
+}
+
+/// [`identity`] from the fields of a `struct stat`.
+pub fn identity_of(ino: u64, ctime: i64, ctime_nsec: i64) -> u64 {
     // SplitMix64's finalizer over each field in turn: cheap and well mixed. A collision needs
     // a change that lands on the same 64-bit value, which a user cannot steer (the kernel
     // picks inode numbers and nanosecond ctimes).
@@ -121,7 +139,7 @@ pub fn identity(m: &std::fs::Metadata) -> u64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    [m.ino(), m.ctime() as u64, m.ctime_nsec() as u64]
+    [ino, ctime as u64, ctime_nsec as u64]
         .into_iter()
         .fold(0, mix)
 }

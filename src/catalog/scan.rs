@@ -3,13 +3,19 @@
 //! Each metadata call to a parallel file system costs a network round trip, so directories
 //! are listed and their entries stat'ed by several workers at once; the tree is then laid
 //! out breadth-first on one thread so ids, and children ranges, come out deterministic.
+//!
+//! Each directory is opened beneath SOURCE's root descriptor through no symlink, and its
+//! entries are `lstat`ed and their links read relative to its own descriptor: no call is
+//! given a full path, so a tree deeper than PATH_MAX is catalogued whole (it was silently
+//! missing), and a directory swapped for a link during the scan is not followed out of
+//! SOURCE.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
-use std::fs;
+use std::fs::File;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -17,6 +23,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::{Catalog, Entry, FileId, Kind, ROOT};
+use crate::sys;
 
 /// How often the scan reports progress: often enough to show it is alive on a slow file
 /// system, rarely enough not to flood a log.
@@ -56,45 +63,43 @@ pub trait Lister: Sync {
     fn list(&self, dir: &Path) -> Vec<Scanned>;
 }
 
-/// Lists a real directory tree.
+/// Lists a real directory tree, beneath its root's descriptor.
 struct FsLister<'a> {
     root: &'a Path,
-    root_meta: fs::Metadata,
+    root_dir: File,
+    root_stat: libc::stat,
 }
 
 impl Lister for FsLister<'_> {
     fn root(&self) -> Scanned {
-        Scanned::from_metadata(OsString::new(), &self.root_meta, None)
+        Scanned::from_stat(OsString::new(), &self.root_stat, None)
     }
 
     fn list(&self, dir: &Path) -> Vec<Scanned> {
-        list_directory(&self.root.join(dir))
+        list_directory(self.root_dir.as_fd(), dir, &self.root.join(dir))
     }
 }
 
 impl Scanned {
-    pub fn from_metadata(
-        name: OsString,
-        meta: &fs::Metadata,
-        link_target: Option<OsString>,
-    ) -> Self {
-        let kind = Kind::of(meta.file_type());
+    /// The entry `name` as `lstat` (`st`) describes it.
+    pub fn from_stat(name: OsString, st: &libc::stat, link_target: Option<OsString>) -> Self {
+        let kind = Kind::of_mode(st.st_mode);
         Scanned {
             name,
             kind,
-            perm: (meta.mode() & 0o7777) as u16,
-            uid: meta.uid(),
-            gid: meta.gid(),
+            perm: (st.st_mode & 0o7777) as u16,
+            uid: st.st_uid,
+            gid: st.st_gid,
             // What the mount shows and the copy checks: directories' sizes are file-system
             // specific, special files have no content to stage.
             size: if matches!(kind, Kind::File | Kind::Symlink) {
-                meta.size()
+                st.st_size as u64
             } else {
                 0
             },
-            mtime_secs: meta.mtime(),
-            mtime_nanos: meta.mtime_nsec() as u32,
-            identity: super::identity(meta),
+            mtime_secs: st.st_mtime,
+            mtime_nanos: st.st_mtime_nsec as u32,
+            identity: super::identity_of(st.st_ino, st.st_ctime, st.st_ctime_nsec),
             link_target,
         }
     }
@@ -107,19 +112,24 @@ struct WorkQueue {
 }
 
 pub(super) fn scan(root: &Path, threads: usize) -> Result<Catalog, ScanError> {
-    let root_meta = fs::metadata(root).map_err(|source| ScanError::Root {
+    let root_err = |source| ScanError::Root {
         path: root.to_path_buf(),
         source,
-    })?;
-    if !root_meta.is_dir() {
+    };
+    // SOURCE's path itself may be a link (to the file system's mount, say); nothing below it.
+    let root_dir = File::open(root).map_err(root_err)?;
+    let root_stat = sys::lstat_at(root_dir.as_fd(), "".as_ref()).map_err(root_err)?;
+    if Kind::of_mode(root_stat.st_mode) != Kind::Directory {
         return Err(ScanError::NotADirectory(root.to_path_buf()));
     }
     // Listing the root up front turns "unreadable SOURCE" into an error instead of an empty mount.
-    fs::read_dir(root).map_err(|source| ScanError::Root {
-        path: root.to_path_buf(),
-        source,
-    })?;
-    scan_with(root, &FsLister { root, root_meta }, threads)
+    sys::list_names(root_dir.as_fd()).map_err(root_err)?;
+    let lister = FsLister {
+        root,
+        root_dir,
+        root_stat,
+    };
+    scan_with(root, &lister, threads)
 }
 
 /// Scans the tree `lister` describes, with `threads` concurrent listings, as rooted at `root`.
@@ -193,51 +203,48 @@ pub fn scan_with(root: &Path, lister: &dyn Lister, threads: usize) -> Result<Cat
     Ok(catalog)
 }
 
-/// Lists one directory. An unreadable subdirectory shows up empty with a warning: one bad
-/// folder should not stop a mount of millions of files.
-fn list_directory(dir: &Path) -> Vec<Scanned> {
-    let reader = match fs::read_dir(dir) {
-        Ok(r) => r,
+/// Lists directory `dir` (relative to `root`, shown as `shown`). An unreadable subdirectory
+/// shows up empty with a warning: one bad folder should not stop a mount of millions of files.
+fn list_directory(root: BorrowedFd<'_>, dir: &Path, shown: &Path) -> Vec<Scanned> {
+    let listed = sys::open_beneath(root, dir, libc::O_RDONLY | libc::O_DIRECTORY)
+        .and_then(|fd| Ok((sys::list_names(fd.as_fd())?, fd)));
+    let (names, fd) = match listed {
+        Ok(listed) => listed,
         Err(e) => {
             log::warn!(
                 "cannot list {}: {e}; it appears empty in the mount",
-                dir.display()
+                shown.display()
             );
             return Vec::new();
         }
     };
     let mut out = Vec::new();
-    for item in reader {
-        let item = match item {
-            Ok(i) => i,
+    for name in names {
+        let left_out = |what: &str, e: io::Error| {
+            log::warn!(
+                "cannot {what} {}: {e}; left out of the mount",
+                shown.join(&name).display()
+            )
+        };
+        let st = match sys::lstat_at(fd.as_fd(), &name) {
+            Ok(st) => st,
             Err(e) => {
-                log::warn!("error listing {}: {e}", dir.display());
+                left_out("stat", e);
                 continue;
             }
         };
-        let path = item.path();
-        let meta = match fs::symlink_metadata(&path) {
-            Ok(m) => m,
-            Err(e) => {
-                log::warn!("cannot stat {}: {e}; left out of the mount", path.display());
-                continue;
-            }
-        };
-        let target = if meta.file_type().is_symlink() {
-            match fs::read_link(&path) {
-                Ok(t) => Some(t.into_os_string()),
+        let target = if Kind::of_mode(st.st_mode) == Kind::Symlink {
+            match sys::readlink_at(fd.as_fd(), &name) {
+                Ok(t) => Some(t),
                 Err(e) => {
-                    log::warn!(
-                        "cannot read link {}: {e}; left out of the mount",
-                        path.display()
-                    );
+                    left_out("read link", e);
                     continue;
                 }
             }
         } else {
             None
         };
-        out.push(Scanned::from_metadata(item.file_name(), &meta, target));
+        out.push(Scanned::from_stat(name, &st, target));
     }
     out
 }

@@ -275,7 +275,11 @@ fn mount_fuse(
     source: &Path,
     mountpoint: PathBuf,
 ) -> Result<RunningMount, MountError> {
-    let fs_impl = StageFs::new(data.clone(), config.allow_other);
+    let fs_impl =
+        StageFs::new(data.clone(), config.allow_other).map_err(|e| MountError::Mount {
+            path: mountpoint.clone(),
+            source: e,
+        })?;
     let passthrough = fs_impl.passthrough_flag();
     let mut fuse = Config::default();
     // The type `fuse.stagefs` is how `stagefs unmount`, findmnt and `umount -t` tell our mounts.

@@ -22,11 +22,24 @@
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
+//! SOURCE may hang (a parallel file system's server stops answering): no FUSE thread waits
+//! on it. A check that needs SOURCE is asked on `offload`'s threads and the request answered
+//! from there; if SOURCE has not answered within its bound, SOURCE's last refusal of this
+//! credential for the entry stands, and otherwise the kernel's own check decides, which the
+//! request has already passed: the catalogued mode bits and, on a shared mount, SOURCE's ACLs
+//! as last read (FUSE_POSIX_ACL; an ACL never read is EIO, see `xattr`). An open so decided
+//! is served only from a cached copy (anything else needs SOURCE anyway: EIO). What is lost
+//! while SOURCE is hung is only what SOURCE alone knows (a permission changed since the scan,
+//! a server's own policy); refusing with EIO instead would stop every other user's job at
+//! the first hang, while the cache could serve it. The daemon's own user's requests never
+//! ask SOURCE.
+//!
 //! Re-entrancy: an open of a file not cached that comes from one of the stager's copy threads
 //! (which opened a SOURCE path leading back into the mount) is answered at once with EDEADLK
-//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits: a
-//! cache hit is answered at once, lookup, getattr, readdir and xattrs answer from the catalog
-//! or SOURCE, and a read needs a handle that only an open grants.
+//! (see `DatasetFs::open`): waiting on it could take every copy thread. Nothing else waits on
+//! a FUSE thread: a cache hit is answered at once, lookup, getattr, readdir and our xattrs
+//! answer from the catalog, SOURCE's attributes and statfs through `offload`, and a read
+//! needs a handle that only an open grants.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -79,16 +92,17 @@ impl Refusal {
     }
 }
 
-/// Decisions for one credential: two bits per catalog id, `01` checked and denied, `11`
-/// checked and allowed. Atomic, so a hit takes no lock beyond finding the credential.
-struct Marks(Box<[AtomicU64]>);
+/// A yes/no known or not per catalog id, in two bits: `01` no, `11` yes. Atomic, so a hit
+/// takes no lock. Here: checked and allowed per credential; in `xattr`: whether an entry has
+/// an ACL.
+pub(super) struct Marks(Box<[AtomicU64]>);
 
 impl Marks {
-    fn new(ids: usize) -> Marks {
+    pub(super) fn new(ids: usize) -> Marks {
         Marks((0..ids.div_ceil(32)).map(|_| AtomicU64::new(0)).collect())
     }
 
-    fn get(&self, id: FileId) -> Option<bool> {
+    pub(super) fn get(&self, id: FileId) -> Option<bool> {
         let word = self.0.get(id as usize / 32)?.load(Ordering::Relaxed);
         match (word >> ((id % 32) * 2)) & 0b11 {
             0b01 => Some(false),
@@ -97,22 +111,33 @@ impl Marks {
         }
     }
 
-    fn set(&self, id: FileId, allowed: bool) {
+    /// Records `value` for `id`, replacing what was there.
+    pub(super) fn set(&self, id: FileId, value: bool) {
         if let Some(word) = self.0.get(id as usize / 32) {
-            word.fetch_or(
-                (0b01 | (allowed as u64) << 1) << ((id % 32) * 2),
-                Ordering::Relaxed,
-            );
+            let shift = (id % 32) * 2;
+            let bits = (0b01 | (value as u64) << 1) << shift;
+            let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                Some(w & !(0b11 << shift) | bits)
+            });
         }
     }
 }
 
 /// Read-permission decisions over catalog ids, per credential, at most [`MAX_CREDENTIALS`]
-/// of them (the least recently used is dropped), each set kept [`DECISION_TTL`].
+/// of them (the least recently used is dropped), each set kept [`DECISION_TTL`]; and SOURCE's
+/// last answer for each, kept beyond that for when SOURCE does not answer (see [`Gate`]).
 pub struct Decisions {
     ids: usize,
-    /// Most recently used first; with when the marks were started.
-    table: Mutex<Vec<(Credential, Instant, Arc<Marks>)>>,
+    /// Most recently used first.
+    table: Mutex<Vec<Kept>>,
+}
+
+struct Kept {
+    cred: Credential,
+    /// When `fresh` was started.
+    since: Instant,
+    fresh: Arc<Marks>,
+    last: Arc<Marks>,
 }
 
 impl Decisions {
@@ -123,21 +148,28 @@ impl Decisions {
         }
     }
 
-    fn marks(&self, cred: &Credential, now: Instant) -> Arc<Marks> {
+    /// `cred`'s fresh and last decisions.
+    fn kept(&self, cred: &Credential, now: Instant) -> (Arc<Marks>, Arc<Marks>) {
         let mut table = self.table.lock();
-        if let Some(i) = table.iter().position(|(c, _, _)| c == cred) {
+        if let Some(i) = table.iter().position(|k| &k.cred == cred) {
             table[..=i].rotate_right(1);
-            let (_, since, marks) = &mut table[0];
-            if now.saturating_duration_since(*since) >= DECISION_TTL {
+            let k = &mut table[0];
+            if now.saturating_duration_since(k.since) >= DECISION_TTL {
                 // Expired: SOURCE is asked again, file by file.
-                *since = now;
-                *marks = Arc::new(Marks::new(self.ids));
+                k.since = now;
+                k.fresh = Arc::new(Marks::new(self.ids));
             }
-            return marks.clone();
+            return (k.fresh.clone(), k.last.clone());
         }
         table.truncate(MAX_CREDENTIALS - 1);
-        let marks = Arc::new(Marks::new(self.ids));
-        table.insert(0, (cred.clone(), now, marks.clone()));
+        let k = Kept {
+            cred: cred.clone(),
+            since: now,
+            fresh: Arc::new(Marks::new(self.ids)),
+            last: Arc::new(Marks::new(self.ids)),
+        };
+        let marks = (k.fresh.clone(), k.last.clone());
+        table.insert(0, k);
         marks
     }
 
@@ -147,11 +179,18 @@ impl Decisions {
     }
 
     fn get_at(&self, cred: &Credential, id: FileId, now: Instant) -> Option<bool> {
-        self.marks(cred, now).get(id)
+        self.kept(cred, now).0.get(id)
+    }
+
+    /// SOURCE's last answer for `cred` on `id`, however old.
+    pub fn last(&self, cred: &Credential, id: FileId) -> Option<bool> {
+        self.kept(cred, Instant::now()).1.get(id)
     }
 
     pub fn set(&self, cred: &Credential, id: FileId, allowed: bool) {
-        self.marks(cred, Instant::now()).set(id, allowed);
+        let (fresh, last) = self.kept(cred, Instant::now());
+        fresh.set(id, allowed);
+        last.set(id, allowed);
     }
 }
 
@@ -161,6 +200,21 @@ pub struct Caller {
     pub uid: u32,
     pub gid: u32,
     pub pid: u32,
+}
+
+/// What [`Gate::decide`] found.
+pub enum Verdict {
+    Decided(Result<(), Refusal>),
+    /// Only SOURCE can tell: [`Gate::ask`] it off the FUSE thread.
+    AskSource(Question),
+}
+
+/// A check SOURCE must answer: may this credential have `id` with `mask`.
+pub struct Question {
+    cred: Credential,
+    id: FileId,
+    mask: i32,
+    relative: PathBuf,
 }
 
 /// Decides opens: asks SOURCE about other users' than the daemon's.
@@ -187,8 +241,8 @@ impl Gate {
     }
 
     /// Whether `caller` may have `id` with `mask` (`R_OK`, `X_OK`, `F_OK`): checked on SOURCE
-    /// for any user but the daemon's.
-    /// `path` gives `id`'s path relative to SOURCE, computed only when SOURCE is asked.
+    /// for any user but the daemon's. Blocks on SOURCE: not for a FUSE thread (see
+    /// [`Gate::decide`]). `path` gives `id`'s path relative to SOURCE.
     pub fn check(
         &self,
         caller: Caller,
@@ -196,40 +250,82 @@ impl Gate {
         mask: i32,
         path: impl FnOnce() -> PathBuf,
     ) -> Result<(), Refusal> {
+        match self.decide(caller, id, mask, path) {
+            Verdict::Decided(result) => result,
+            Verdict::AskSource(question) => self.ask(&question),
+        }
+    }
+
+    /// What can be decided without asking SOURCE: the daemon's own user, a caller whose
+    /// credentials cannot be known, a decision not yet expired. `path` is computed only if
+    /// SOURCE must be asked.
+    pub fn decide(
+        &self,
+        caller: Caller,
+        id: FileId,
+        mask: i32,
+        path: impl FnOnce() -> PathBuf,
+    ) -> Verdict {
         if caller.uid == self.euid {
-            return Ok(());
+            return Verdict::Decided(Ok(()));
         }
-        let cred = self.credential(caller)?;
-        let cacheable = mask == libc::R_OK;
-        if cacheable && let Some(allowed) = self.decisions.get(&cred, id) {
-            return allowed.then_some(()).ok_or(Refusal::Denied(cred.uid));
+        let cred = match self.credential(caller) {
+            Ok(cred) => cred,
+            Err(refusal) => return Verdict::Decided(Err(refusal)),
+        };
+        if mask == libc::R_OK
+            && let Some(allowed) = self.decisions.get(&cred, id)
+        {
+            return Verdict::Decided(allowed.then_some(()).ok_or(Refusal::Denied(cred.uid)));
         }
-        let relative = path();
+        Verdict::AskSource(Question {
+            cred,
+            id,
+            mask,
+            relative: path(),
+        })
+    }
+
+    /// SOURCE's answer to `q`, asked with the caller's credentials on this thread. Blocks for
+    /// as long as SOURCE does.
+    pub fn ask(&self, q: &Question) -> Result<(), Refusal> {
+        let cacheable = q.mask == libc::R_OK;
         let result = {
-            let _as_caller = AsCaller::enter(&cred).inspect_err(|e| {
+            let _as_caller = AsCaller::enter(&q.cred).inspect_err(|e| {
                 if !self.warned.swap(true, Ordering::Relaxed) {
                     log::error!("{e}: other users will be refused");
                 }
             })?;
-            self.root.with(|fd| check_on_source(fd, &relative, mask))
+            self.root
+                .with(|fd| check_on_source(fd, &q.relative, q.mask))
         };
         match result {
             Ok(()) => {
                 if cacheable {
-                    self.decisions.set(&cred, id, true);
+                    self.decisions.set(&q.cred, q.id, true);
                 }
                 Ok(())
             }
             Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => {
                 if cacheable {
-                    self.decisions.set(&cred, id, false);
+                    self.decisions.set(&q.cred, q.id, false);
                 }
-                Err(Refusal::Denied(cred.uid))
+                Err(Refusal::Denied(q.cred.uid))
             }
             Err(source) => Err(Refusal::Check {
-                path: relative,
+                path: q.relative.clone(),
                 source,
             }),
+        }
+    }
+
+    /// The answer to `q` when SOURCE did not give one within the bound: SOURCE's last
+    /// refusal of this caller stands; otherwise the kernel's own check decides, which the
+    /// request has passed (see the module note).
+    pub fn without_source(&self, q: &Question) -> Result<(), Refusal> {
+        match self.decisions.last(&q.cred, q.id) {
+            Some(false) => Err(Refusal::Denied(q.cred.uid)),
+            _ => Ok(()),
         }
     }
 

@@ -12,14 +12,17 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use super::access::{self, Caller, Gate};
+use parking_lot::Mutex;
+
+use super::access::{self, Caller, Gate, Verdict};
 use super::error::FsError;
 use super::launcher::Launchers;
+use super::offload::Offload;
 use super::opens::{OpenReply, Opens};
 use super::ops::OpCounts;
-use super::xattr::Probes;
+use super::xattr::{Acls, Probes};
 use crate::catalog::{Catalog, Entry, FileId, Kind};
 use crate::stager::{Opened, SourceRoot, Stager};
 use crate::stats::{Counters, Snapshot};
@@ -76,6 +79,7 @@ pub struct DirEntry<'a> {
 }
 
 /// SOURCE's file system figures, which the mount reports as its own.
+#[derive(Clone, Copy, Debug)]
 pub struct Statfs {
     pub blocks: u64,
     pub bfree: u64,
@@ -87,17 +91,35 @@ pub struct Statfs {
     pub frsize: u32,
 }
 
+/// How old SOURCE's statfs figures may get before a statfs asks for new ones (in the
+/// background: the request is answered with the figures at hand).
+const STATFS_REFRESH: Duration = Duration::from_secs(1);
+
+/// SOURCE's statfs figures as last read, when, and whether a read is under way.
+struct LastStatfs {
+    figures: Mutex<(Option<Statfs>, Instant)>,
+    refreshing: AtomicBool,
+}
+
+/// A request's answer, given once, on whichever thread decides it.
+pub type Answer<T> = Box<dyn FnOnce(Result<T, FsError>) + Send>;
+
 /// The file system over a [`MountedDataset`]; `B` is the kernel's token for a passthrough
 /// backing file.
 pub struct DatasetFs<B> {
     pub(super) data: Arc<MountedDataset>,
     /// Shared with the open callbacks, which the stager may call on its own threads.
     opens: Arc<Opens<B>>,
-    gate: Gate,
+    pub(super) gate: Arc<Gate>,
     /// Size probes of our extended attributes, for this mount.
     pub(super) probes: Probes,
     /// Which rank each opener is, while `--sampler auto` wants to know.
-    launchers: Launchers,
+    launchers: Arc<Launchers>,
+    /// Where requests make their SOURCE calls: never on a FUSE thread.
+    pub(super) offload: Offload,
+    /// SOURCE's ACLs as last read, for when it does not answer.
+    pub(super) acls: Arc<Acls>,
+    statfs: Arc<LastStatfs>,
 }
 
 /// The catalog id behind inode `ino`.
@@ -110,14 +132,21 @@ fn ino(id: FileId) -> u64 {
 }
 
 impl<B: Send + Sync + 'static> DatasetFs<B> {
-    pub fn new(data: Arc<MountedDataset>) -> DatasetFs<B> {
-        DatasetFs {
-            gate: Gate::new(data.source_root.clone(), data.catalog.len()),
+    pub fn new(data: Arc<MountedDataset>) -> std::io::Result<DatasetFs<B>> {
+        let figures = read_statfs(&data.source_root).ok();
+        Ok(DatasetFs {
+            gate: Arc::new(Gate::new(data.source_root.clone(), data.catalog.len())),
+            acls: Arc::new(Acls::new(data.catalog.len())),
             data,
             opens: Arc::new(Opens::new()),
             probes: Probes::default(),
-            launchers: Launchers::default(),
-        }
+            launchers: Arc::default(),
+            offload: Offload::start()?,
+            statfs: Arc::new(LastStatfs {
+                figures: Mutex::new((figures, Instant::now())),
+                refreshing: AtomicBool::new(false),
+            }),
+        })
     }
 
     /// Whether cached files are handed to the kernel: statistics report it.
@@ -193,68 +222,88 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             .ok_or(FsError::Invalid)
     }
 
-    /// Refuses what SOURCE would refuse `caller`.
-    pub(super) fn permitted(&self, caller: Caller, id: FileId, mask: i32) -> Result<(), FsError> {
-        let catalog = &self.data.catalog;
-        self.gate
-            .check(caller, id, mask, || catalog.relative_path(id))
-            .map_err(|refusal| {
-                match refusal {
-                    access::Refusal::Denied(_) => {
-                        log::debug!("{}: {refusal}", catalog.relative_path(id).display())
-                    }
-                    _ => log::warn!(
-                        "refused {} to pid {}: {refusal}",
-                        catalog.relative_path(id).display(),
-                        caller.pid
-                    ),
-                }
-                refusal.into()
-            })
-    }
-
-    /// Opens regular file `ino` for reading (`flags` as open(2) takes them); `reply` is
-    /// answered once, possibly later and from a stager thread while the file is copied.
-    pub fn open<R: OpenReply<Backing = B>>(&self, ino: u64, flags: i32, caller: Caller, reply: R) {
-        if let Err(e) = self.check_open(ino, flags, caller) {
-            return reply.error(e);
-        }
-        let stager = &self.data.stager;
-        if stager.wants_job_ranks() {
-            stager.observe_open(id(ino), self.launchers.rank_of(caller.pid), caller.pid);
-        }
-        let opens = self.opens.clone();
-        self.data.stager.open(
-            id(ino),
-            Box::new(move |result| match result {
-                Ok(opened) => opens.grant(ino, opened, reply),
-                Err(e) => reply.error(e.into()),
-            }),
+    /// Decides whether SOURCE lets `caller` have `id` with `mask`, and hands the answer to
+    /// `then`: at once when SOURCE need not be asked, else from the thread that asked it, or,
+    /// when SOURCE has not answered within the bound, from what is known without it (see
+    /// `access`) and `unanswered`, which may refuse more.
+    pub(super) fn permitted_then(
+        &self,
+        caller: Caller,
+        id: FileId,
+        mask: i32,
+        unanswered: impl FnOnce() -> Result<(), FsError> + Send + 'static,
+        then: impl FnOnce(Result<(), FsError>) + Send + 'static,
+    ) {
+        let catalog = self.data.catalog.clone();
+        let question = match self
+            .gate
+            .decide(caller, id, mask, || catalog.relative_path(id))
+        {
+            Verdict::Decided(result) => {
+                return then(result.map_err(|r| refused(&catalog, caller, id, r)));
+            }
+            Verdict::AskSource(question) => Arc::new(question),
+        };
+        let (gate, asked) = (self.gate.clone(), question.clone());
+        let fallback = {
+            let gate = self.gate.clone();
+            let catalog = catalog.clone();
+            move || {
+                let known = gate.without_source(&question);
+                known
+                    .map_err(|r| refused(&catalog, caller, id, r))
+                    .and_then(|()| unanswered())
+            }
+        };
+        self.offload.run(
+            move || {
+                gate.ask(&asked)
+                    .map_err(|r| refused(&catalog, caller, id, r))
+            },
+            then,
+            fallback,
         );
     }
 
-    fn check_open(&self, ino: u64, flags: i32, caller: Caller) -> Result<(), FsError> {
+    /// Opens regular file `ino` for reading (`flags` as open(2) takes them); `reply` is
+    /// answered once, possibly later and from another thread (the check on SOURCE, the copy).
+    pub fn open<R: OpenReply<Backing = B>>(&self, ino: u64, flags: i32, caller: Caller, reply: R) {
+        if let Err(e) = self.check_open(ino, flags) {
+            return reply.error(e);
+        }
+        let id = id(ino);
+        let (data, opens, launchers) = (
+            self.data.clone(),
+            self.opens.clone(),
+            self.launchers.clone(),
+        );
+        let stager_data = self.data.clone();
+        // Unchecked by SOURCE, only a cached copy is served: anything else needs SOURCE.
+        let cached_only = move || match stager_data.stager.file_state(id) {
+            "cached" => Ok(()),
+            _ => Err(FsError::Io),
+        };
+        self.permitted_then(
+            caller,
+            id,
+            libc::R_OK,
+            cached_only,
+            move |result| match result {
+                Ok(()) => open_permitted(&data, &opens, &launchers, ino, caller, reply),
+                Err(e) => reply.error(e),
+            },
+        );
+    }
+
+    fn check_open(&self, ino: u64, flags: i32) -> Result<(), FsError> {
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return Err(FsError::ReadOnly);
         }
         match self.entry(ino)?.kind {
-            Kind::File => {}
-            Kind::Directory => return Err(FsError::IsDir),
-            _ => return Err(FsError::Invalid),
+            Kind::File => Ok(()),
+            Kind::Directory => Err(FsError::IsDir),
+            _ => Err(FsError::Invalid),
         }
-        let id = id(ino);
-        self.permitted(caller, id, libc::R_OK)?;
-        // A copy thread's open that leads back into the mount would wait for a copy that only
-        // such a thread can make. (Other threads of this process, like `stagefs demo`'s reader,
-        // are readers like any other.)
-        let stager = &self.data.stager;
-        if stager.is_copy_thread(caller.pid) && stager.file_state(id) != "cached" {
-            let refusal = access::Refusal::Reentrant(caller.pid);
-            let path = self.data.catalog.relative_path(id);
-            log::warn!("refused {}: {refusal}", path.display());
-            return Err(refusal.into());
-        }
-        Ok(())
     }
 
     /// Up to `size` bytes of open handle `fh` (of inode `ino`) from `offset`.
@@ -298,10 +347,13 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         self.opens.release(ino, fh);
     }
 
-    pub fn opendir(&self, ino: u64, caller: Caller) -> Result<(), FsError> {
-        match self.entry(ino)?.kind {
-            Kind::Directory => self.permitted(caller, id(ino), libc::R_OK),
-            _ => Err(FsError::NotDir),
+    pub fn opendir(&self, ino: u64, caller: Caller, answer: Answer<()>) {
+        match self.entry(ino).map(|e| e.kind) {
+            Ok(Kind::Directory) => {
+                self.permitted_then(caller, id(ino), libc::R_OK, || Ok(()), answer)
+            }
+            Ok(_) => answer(Err(FsError::NotDir)),
+            Err(e) => answer(Err(e)),
         }
     }
 
@@ -333,41 +385,114 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             }))
     }
 
+    /// SOURCE's figures as last read, never waiting for SOURCE: a refresh, when they are
+    /// older than [`STATFS_REFRESH`], is asked for in the background (one at a time, bounded
+    /// like every SOURCE call), and `df` sees it on its next call.
     pub fn statfs(&self) -> Result<Statfs, FsError> {
-        // Through the root fd opened before mounting: SOURCE's path, if replaced by a link
-        // into the mount, would have this thread wait on the mount itself.
-        let st = self
-            .data
-            .source_root
-            .with(|root| {
-                // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-                let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-                // SAFETY: a valid fd and out pointer.
-                match unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } {
-                    0 => Ok(st),
-                    _ => Err(std::io::Error::last_os_error()),
-                }
-            })
-            .map_err(|_| FsError::Io)?;
-        Ok(Statfs {
-            blocks: st.f_blocks,
-            bfree: st.f_bfree,
-            bavail: st.f_bavail,
-            files: st.f_files,
-            ffree: st.f_ffree,
-            bsize: st.f_bsize as u32,
-            namelen: 255,
-            frsize: st.f_frsize as u32,
-        })
+        let (figures, read_at) = *self.statfs.figures.lock();
+        if read_at.elapsed() >= STATFS_REFRESH
+            && !self.statfs.refreshing.swap(true, Ordering::SeqCst)
+        {
+            let (root, last) = (self.data.source_root.clone(), self.statfs.clone());
+            let done = last.clone();
+            self.offload.run(
+                move || read_statfs(&root).ok(),
+                move |fresh| {
+                    if let Some(fresh) = fresh {
+                        *done.figures.lock() = (Some(fresh), Instant::now());
+                    }
+                    done.refreshing.store(false, Ordering::SeqCst);
+                },
+                || None,
+            );
+        }
+        figures.ok_or(FsError::Io)
     }
 
     /// access(2) with `mask` (`R_OK`, `W_OK`, `X_OK` bits): nothing is writable, the rest is
     /// SOURCE's answer, as for open.
-    pub fn access(&self, ino: u64, mask: i32, caller: Caller) -> Result<(), FsError> {
-        self.entry(ino)?;
-        if mask & libc::W_OK != 0 {
-            return Err(FsError::ReadOnly);
+    pub fn access(&self, ino: u64, mask: i32, caller: Caller, answer: Answer<()>) {
+        if let Err(e) = self.entry(ino) {
+            return answer(Err(e));
         }
-        self.permitted(caller, id(ino), mask & (libc::R_OK | libc::X_OK))
+        if mask & libc::W_OK != 0 {
+            return answer(Err(FsError::ReadOnly));
+        }
+        let mask = mask & (libc::R_OK | libc::X_OK);
+        self.permitted_then(caller, id(ino), mask, || Ok(()), answer);
     }
+}
+
+/// The refusal's error, logged (a refusal by SOURCE quietly, anything else as a warning).
+pub(super) fn refused(
+    catalog: &Catalog,
+    caller: Caller,
+    id: FileId,
+    refusal: access::Refusal,
+) -> FsError {
+    match refusal {
+        access::Refusal::Denied(_) => {
+            log::debug!("{}: {refusal}", catalog.relative_path(id).display())
+        }
+        _ => log::warn!(
+            "refused {} to pid {}: {refusal}",
+            catalog.relative_path(id).display(),
+            caller.pid
+        ),
+    }
+    refusal.into()
+}
+
+/// An open `caller` is allowed: handed to the stager, unless it comes from a copy thread for
+/// a file not cached (a copy's open that leads back into the mount would wait for a copy that
+/// only such a thread can make; other threads of this process, like `stagefs demo`'s reader,
+/// are readers like any other).
+fn open_permitted<B: Send + Sync + 'static, R: OpenReply<Backing = B>>(
+    data: &MountedDataset,
+    opens: &Arc<Opens<B>>,
+    launchers: &Launchers,
+    ino: u64,
+    caller: Caller,
+    reply: R,
+) {
+    let (stager, id) = (&data.stager, id(ino));
+    if stager.is_copy_thread(caller.pid) && stager.file_state(id) != "cached" {
+        let refusal = access::Refusal::Reentrant(caller.pid);
+        return reply.error(refused(&data.catalog, caller, id, refusal));
+    }
+    if stager.wants_job_ranks() {
+        stager.observe_open(id, launchers.rank_of(caller.pid), caller.pid);
+    }
+    let opens = opens.clone();
+    stager.open(
+        id,
+        Box::new(move |result| match result {
+            Ok(opened) => opens.grant(ino, opened, reply),
+            Err(e) => reply.error(e.into()),
+        }),
+    );
+}
+
+/// SOURCE's file system figures, through the root fd opened before mounting: SOURCE's path,
+/// if replaced by a link into the mount, would have this wait on the mount itself.
+fn read_statfs(root: &SourceRoot) -> std::io::Result<Statfs> {
+    let st = root.with(|root| {
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid fd and out pointer.
+        match unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } {
+            0 => Ok(st),
+            _ => Err(std::io::Error::last_os_error()),
+        }
+    })?;
+    Ok(Statfs {
+        blocks: st.f_blocks,
+        bfree: st.f_bfree,
+        bavail: st.f_bavail,
+        files: st.f_files,
+        ffree: st.f_ffree,
+        bsize: st.f_bsize as u32,
+        namelen: 255,
+        frsize: st.f_frsize as u32,
+    })
 }

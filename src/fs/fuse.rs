@@ -22,7 +22,7 @@ use fuser::{
 };
 
 use super::access::Caller;
-use super::dataset::{Attr, DatasetFs, MountedDataset};
+use super::dataset::{Answer, Attr, DatasetFs, MountedDataset};
 use super::error::FsError;
 use super::opens::OpenReply;
 use super::ops::Op;
@@ -47,11 +47,11 @@ impl StageFs {
     /// where the mode bits alone would let them through the kernel's cached entries (opens
     /// are checked on SOURCE besides, see `access`). It costs one GETXATTR per inode the
     /// kernel loads, which a mount nobody else uses does not need to pay.
-    pub fn new(data: Arc<MountedDataset>, shared: bool) -> StageFs {
-        StageFs {
-            core: DatasetFs::new(data),
+    pub fn new(data: Arc<MountedDataset>, shared: bool) -> std::io::Result<StageFs> {
+        Ok(StageFs {
+            core: DatasetFs::new(data)?,
             source_acls: shared,
-        }
+        })
     }
 
     /// Shared flag so stats can report whether passthrough is in use.
@@ -123,19 +123,20 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-fn reply_xattr(reply: ReplyXattr, answer: Result<Xattr, FsError>) {
-    match answer {
+/// Answers `reply` with the core's answer, whenever and wherever that comes.
+fn xattr_answer(reply: ReplyXattr) -> Answer<Xattr> {
+    Box::new(move |answer| match answer {
         Ok(Xattr::Size(n)) => reply.size(n),
         Ok(Xattr::Data(bytes)) => reply.data(&bytes),
         Err(e) => reply.error(errno(e)),
-    }
+    })
 }
 
-fn reply_empty(reply: ReplyEmpty, answer: Result<(), FsError>) {
-    match answer {
+fn empty_answer(reply: ReplyEmpty) -> Answer<()> {
+    Box::new(move |answer| match answer {
         Ok(()) => reply.ok(),
         Err(e) => reply.error(errno(e)),
-    }
+    })
 }
 
 impl OpenReply for ReplyOpen {
@@ -278,13 +279,14 @@ impl Filesystem for StageFs {
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         self.count(Op::Opendir);
-        match self.core.opendir(ino.0, caller(req)) {
+        let answer = Box::new(move |answer| match answer {
             Ok(()) => reply.opened(
                 FileHandle(0),
                 FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
             ),
             Err(e) => reply.error(errno(e)),
-        }
+        });
+        self.core.opendir(ino.0, caller(req), answer);
     }
 
     fn readdir(
@@ -347,17 +349,20 @@ impl Filesystem for StageFs {
     /// from the mode bits otherwise).
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
         self.count(Op::Access);
-        reply_empty(reply, self.core.access(ino.0, mask.bits(), caller(req)));
+        let answer = empty_answer(reply);
+        self.core.access(ino.0, mask.bits(), caller(req), answer);
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         self.count(Op::Getxattr);
-        reply_xattr(reply, self.core.getxattr(ino.0, name, size, caller(req)));
+        let answer = xattr_answer(reply);
+        self.core.getxattr(ino.0, name, size, caller(req), answer);
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         self.count(Op::Listxattr);
-        reply_xattr(reply, self.core.listxattr(ino.0, size, caller(req)));
+        let answer = xattr_answer(reply);
+        self.core.listxattr(ino.0, size, caller(req), answer);
     }
 
     /// Also once per inode of a BATCH_FORGET (fuser's `batch_forget` calls this for each; its

@@ -5,7 +5,8 @@
 //! over it, [`opens`] the handle table and per-inode passthrough bookkeeping, [`ops`] the
 //! requests the kernel sent by kind, [`xattr`] statistics and control as extended attributes,
 //! [`access`] who may open what (SOURCE's own kernel decides, on top of the kernel's mode-bit
-//! check, `default_permissions`), [`error`] the errno of every refusal. The superblock is read-only (`ro`): the kernel refuses every
+//! check, `default_permissions`), [`offload`] the SOURCE calls requests need, made off the
+//! FUSE threads and bounded in time, [`error`] the errno of every refusal. The superblock is read-only (`ro`): the kernel refuses every
 //! modification itself (EROFS) and, for passthrough reads, no longer invalidates the cached
 //! attributes (one GETATTR less per file read); what controls a running mount goes over the
 //! control channel instead (`stagefs epoch`, the feed hook).
@@ -16,6 +17,7 @@ mod dataset;
 mod error;
 mod fuse;
 mod launcher;
+mod offload;
 mod opens;
 mod ops;
 mod xattr;

@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::access::Caller;
-use super::dataset::{DatasetFs, MountedDataset};
+use super::dataset::{Answer as Reply, DatasetFs, MountedDataset};
 use super::error::FsError;
 use super::opens::tests::{Answer, FakeBacking, FakeReply};
 use super::xattr::Xattr;
@@ -92,7 +92,7 @@ fn fixture_with(
     Fixture {
         _dir: dir,
         src,
-        fs: Arc::new(DatasetFs::new(data)),
+        fs: Arc::new(DatasetFs::new(data).unwrap()),
     }
 }
 
@@ -131,7 +131,7 @@ impl Fixture {
     fn state(&self, path: &str) -> Vec<u8> {
         match self
             .fs
-            .getxattr(self.ino(path), OsStr::new(STATE_XATTR), 64, me())
+            .getxattr_now(self.ino(path), OsStr::new(STATE_XATTR), 64, me())
         {
             Ok(Xattr::Data(v)) => v,
             other => panic!("{other:?}"),
@@ -162,6 +162,33 @@ fn open_with(fs: &Core, ino: u64, flags: i32, caller: Caller, refuse_backing: bo
     fs.open(ino, flags, caller, reply);
     rx.recv_timeout(Duration::from_secs(20))
         .expect("open answered")
+}
+
+/// The core's answers that may come later, from another thread, waited for.
+fn answered<T: Send + 'static>(ask: impl FnOnce(Reply<T>)) -> Result<T, FsError> {
+    let (tx, rx) = mpsc::channel();
+    ask(Box::new(move |answer| tx.send(answer).unwrap()));
+    rx.recv_timeout(Duration::from_secs(20)).expect("answered")
+}
+
+impl Core {
+    fn getxattr_now(
+        &self,
+        ino: u64,
+        name: &OsStr,
+        size: u32,
+        caller: Caller,
+    ) -> Result<Xattr, FsError> {
+        answered(|reply| self.getxattr(ino, name, size, caller, reply))
+    }
+
+    fn opendir_now(&self, ino: u64, caller: Caller) -> Result<(), FsError> {
+        answered(|reply| self.opendir(ino, caller, reply))
+    }
+
+    fn access_now(&self, ino: u64, mask: i32, caller: Caller) -> Result<(), FsError> {
+        answered(|reply| self.access(ino, mask, caller, reply))
+    }
 }
 
 #[test]
@@ -327,8 +354,11 @@ fn readdir_offsets_resume_exactly() {
     assert_eq!(f.fs.readdir(b, 99).unwrap().count(), 0);
     let file = f.ino("b/x.bin");
     assert_eq!(f.fs.readdir(file, 0).err().unwrap().errno(), libc::ENOTDIR);
-    assert_eq!(f.fs.opendir(file, me()).unwrap_err().errno(), libc::ENOTDIR);
-    f.fs.opendir(b, me()).unwrap();
+    assert_eq!(
+        f.fs.opendir_now(file, me()).unwrap_err().errno(),
+        libc::ENOTDIR
+    );
+    f.fs.opendir_now(b, me()).unwrap();
     let root_names = f.fs.readdir(ROOT_INO, 2).unwrap().count();
     assert_eq!(root_names, 4, "a, b, link, sock");
 }
@@ -337,15 +367,17 @@ fn readdir_offsets_resume_exactly() {
 fn access_and_statfs() {
     let f = fixture(u64::MAX);
     let one = f.ino("a/one.bin");
-    f.fs.access(one, libc::R_OK, me()).unwrap();
+    f.fs.access_now(one, libc::R_OK, me()).unwrap();
     assert_eq!(
-        f.fs.access(one, libc::R_OK | libc::W_OK, me())
+        f.fs.access_now(one, libc::R_OK | libc::W_OK, me())
             .unwrap_err()
             .errno(),
         libc::EROFS
     );
     assert_eq!(
-        f.fs.access(1 << 40, libc::W_OK, me()).unwrap_err().errno(),
+        f.fs.access_now(1 << 40, libc::W_OK, me())
+            .unwrap_err()
+            .errno(),
         libc::ENOENT
     );
     let st = f.fs.statfs().unwrap();
@@ -354,7 +386,7 @@ fn access_and_statfs() {
 }
 
 fn stats_probe(fs: &Core, caller: Caller) -> u32 {
-    match fs.getxattr(ROOT_INO, OsStr::new(STATS_XATTR), 0, caller) {
+    match fs.getxattr_now(ROOT_INO, OsStr::new(STATS_XATTR), 0, caller) {
         Ok(Xattr::Size(n)) => n,
         other => panic!("{other:?}"),
     }
@@ -367,7 +399,7 @@ fn an_xattr_probe_then_read_sees_one_value_per_mount() {
     let size = stats_probe(&f.fs, me());
     // The value grows between the probe and the read.
     Counters::add(&f.fs.data.counters.hits, 1_000_000_000_000);
-    let Ok(Xattr::Data(value)) = f.fs.getxattr(ROOT_INO, stats, size, me()) else {
+    let Ok(Xattr::Data(value)) = f.fs.getxattr_now(ROOT_INO, stats, size, me()) else {
         panic!("the probed value is given");
     };
     assert_eq!(value.len(), size as usize);
@@ -385,27 +417,27 @@ fn an_xattr_probe_then_read_sees_one_value_per_mount() {
         Ok(other) => panic!("{other:?}"),
     };
     now_or_erange(
-        f.fs.getxattr(ROOT_INO, stats, size, me()),
+        f.fs.getxattr_now(ROOT_INO, stats, size, me()),
         1_000_000_000_000,
     );
     let other = Caller { pid: 1, ..me() };
     let size = stats_probe(&f.fs, me());
     Counters::add(&f.fs.data.counters.hits, 1_000_000_000_000);
     now_or_erange(
-        f.fs.getxattr(ROOT_INO, stats, size, other),
+        f.fs.getxattr_now(ROOT_INO, stats, size, other),
         2_000_000_000_000,
     );
     // Another mount's core (same dataset) does not share this one's probes.
     let size = stats_probe(&f.fs, me());
     Counters::add(&f.fs.data.counters.hits, 8_000_000_000_000);
-    let other_mount: Core = DatasetFs::new(f.fs.data.clone());
+    let other_mount: Core = DatasetFs::new(f.fs.data.clone()).unwrap();
     now_or_erange(
-        other_mount.getxattr(ROOT_INO, stats, size, me()),
+        other_mount.getxattr_now(ROOT_INO, stats, size, me()),
         10_000_000_000_000,
     );
     // A fresh value that fits is always preferred.
     let big = stats_probe(&f.fs, me()) + 100;
-    let Ok(Xattr::Data(fresh)) = f.fs.getxattr(ROOT_INO, stats, big, me()) else {
+    let Ok(Xattr::Data(fresh)) = f.fs.getxattr_now(ROOT_INO, stats, big, me()) else {
         panic!();
     };
     let json: serde_json::Value = serde_json::from_slice(&fresh).unwrap();
@@ -415,7 +447,7 @@ fn an_xattr_probe_then_read_sees_one_value_per_mount() {
 #[test]
 fn xattrs_of_ours_answer_by_name() {
     let f = fixture(u64::MAX);
-    let get = |ino, name: &str| f.fs.getxattr(ino, OsStr::new(name), 256, me());
+    let get = |ino, name: &str| f.fs.getxattr_now(ino, OsStr::new(name), 256, me());
     assert_eq!(f.state("a"), b"0/2 cached");
     let (fh, _) = f.open("a/one.bin");
     f.fs.release(f.ino("a/one.bin"), fh);
@@ -436,7 +468,7 @@ fn xattrs_of_ours_answer_by_name() {
     assert_eq!(nodata(get(f.ino("link"), STATE_XATTR)), libc::ENODATA);
     assert_eq!(nodata(get(1 << 40, STATE_XATTR)), libc::ENOENT);
     assert_eq!(
-        f.fs.getxattr(f.ino("a/one.bin"), OsStr::new(STATE_XATTR), 2, me())
+        f.fs.getxattr_now(f.ino("a/one.bin"), OsStr::new(STATE_XATTR), 2, me())
             .unwrap_err()
             .errno(),
         libc::ERANGE

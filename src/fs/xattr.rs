@@ -1,5 +1,7 @@
 //! Extended attributes: statistics and control under `user.stagefs.*`, the source's own
-//! attributes passed through unchanged.
+//! attributes passed through unchanged, read off the FUSE threads (`offload`): EIO if SOURCE
+//! does not answer in time, except POSIX ACLs, which get SOURCE's last answer (kept per
+//! entry, [`Acls`]) and EIO only if there is none.
 //!
 //! Ours are answered by name but never listed, so `cp -a`, `rsync -X` and `getfattr -d` copy
 //! or show only what the dataset itself carries (`getfattr -n NAME` still reads them).
@@ -20,16 +22,18 @@
 //! Values that change between calls (counters, uptime) could outgrow the length a size probe
 //! reported, failing the caller's following read with ERANGE; see [`Probes`].
 
+use std::collections::HashMap;
 use std::ffi::{CString, OsStr};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::access::Caller;
-use super::dataset::{DatasetFs, id};
+use super::access::{Caller, Marks};
+use super::dataset::{Answer, DatasetFs, MountedDataset, id, refused};
 use super::error::FsError;
 use crate::catalog::{FileId, Kind, ROOT};
 use crate::stats::Snapshot;
@@ -52,10 +56,57 @@ pub const OPS_XATTR: &str = "user.stagefs.ops";
 /// The POSIX ACLs' attribute names.
 const ACL_NAMES: [&str; 2] = ["system.posix_acl_access", "system.posix_acl_default"];
 
-fn is_acl(name: &OsStr) -> bool {
+/// Which of [`ACL_NAMES`] `name` is, if one.
+fn acl_index(name: &OsStr) -> Option<usize> {
     ACL_NAMES
         .iter()
-        .any(|acl| name.as_bytes() == acl.as_bytes())
+        .position(|acl| name.as_bytes() == acl.as_bytes())
+}
+
+/// ACL values kept at most: most entries have none, and those that have one mostly share it.
+const MAX_ACL_VALUES: usize = 1 << 16;
+
+/// SOURCE's POSIX ACLs as last read, per entry and ACL: whether it has one (two bits per id)
+/// and, for those that do, the value. What the kernel is answered when SOURCE does not.
+pub struct Acls {
+    has: [Marks; 2],
+    values: Mutex<HashMap<AclOf, Arc<[u8]>>>,
+}
+
+/// An entry and which of [`ACL_NAMES`].
+type AclOf = (FileId, usize);
+
+impl Acls {
+    pub fn new(ids: usize) -> Acls {
+        Acls {
+            has: [Marks::new(ids), Marks::new(ids)],
+            values: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Keeps what SOURCE answered for ACL `which` of `id`, if it says what the ACL is.
+    fn record(&self, id: FileId, which: usize, read: &Result<Vec<u8>, i32>) {
+        let mut values = self.values.lock();
+        match read {
+            Ok(value) if values.len() < MAX_ACL_VALUES || values.contains_key(&(id, which)) => {
+                values.insert((id, which), value.as_slice().into());
+                self.has[which].set(id, true);
+            }
+            Err(libc::ENODATA | libc::EOPNOTSUPP) => {
+                values.remove(&(id, which));
+                self.has[which].set(id, false);
+            }
+            _ => {}
+        }
+    }
+
+    /// SOURCE's last answer for ACL `which` of `id`, if kept.
+    fn known(&self, id: FileId, which: usize) -> Option<Result<Vec<u8>, i32>> {
+        match self.has[which].get(id)? {
+            false => Some(Err(libc::ENODATA)),
+            true => Some(Ok(self.values.lock().get(&(id, which))?.to_vec())),
+        }
+    }
 }
 
 /// Largest value we pass through from the source (Linux's own XATTR_SIZE_MAX).
@@ -209,6 +260,27 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         })
     }
 
+    /// Our attribute `key` of `id`, answered at once.
+    fn our_xattr(
+        &self,
+        id: FileId,
+        key: &str,
+        size: u32,
+        caller: Caller,
+    ) -> Result<Xattr, FsError> {
+        let value = self.ours(id, key).ok_or(FsError::NoAttr)?;
+        // The caller's thread id as FUSE reports it pairs size probes with reads.
+        let thread = caller.pid;
+        if size == 0 {
+            self.probes.remember(thread, id, key, &value);
+        } else if value.len() > size as usize
+            && let Some(probed) = self.probes.take(thread, id, key, size as usize)
+        {
+            return Ok(Xattr::Data(probed));
+        }
+        sized(size, value)
+    }
+
     /// Attribute `name` of `ino`, or its length if `size` is 0.
     pub fn getxattr(
         &self,
@@ -216,93 +288,121 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         name: &OsStr,
         size: u32,
         caller: Caller,
-    ) -> Result<Xattr, FsError> {
+        reply: Answer<Xattr>,
+    ) {
         let id = id(ino);
         if self.data.catalog.entry(id).is_none() {
-            return Err(FsError::NotFound);
+            return reply(Err(FsError::NotFound));
         }
         if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
-            let value = self.ours(id, key).ok_or(FsError::NoAttr)?;
-            // The caller's thread id as FUSE reports it pairs size probes with reads.
-            let thread = caller.pid;
-            if size == 0 {
-                self.probes.remember(thread, id, key, &value);
-            } else if value.len() > size as usize
-                && let Some(probed) = self.probes.take(thread, id, key, size as usize)
-            {
-                return Ok(Xattr::Data(probed));
-            }
-            return sized(size, value);
+            return reply(self.our_xattr(id, key, size, caller));
         }
-        // An entry's ACL is anyone's to read who can reach it (getfacl needs no read
-        // permission), and the kernel asks for it to decide about every caller (FUSE_POSIX_ACL).
-        let acl = is_acl(name);
-        if !acl {
-            self.permitted(caller, id, libc::R_OK)?;
-        }
-        let value = self
-            .source_node(id)
-            .and_then(|node| source_xattr(&node, name))
-            .map_err(|errno| match errno {
+        // SOURCE's own attribute: read off the FUSE thread, bounded (see `offload`).
+        let (data, name) = (self.data.clone(), name.to_os_string());
+        let answer =
+            move |value: Result<Vec<u8>, FsError>| reply(value.and_then(|v| sized(size, v)));
+        if let Some(which) = acl_index(&name) {
+            // An entry's ACL is anyone's to read who can reach it (getfacl needs no read
+            // permission), and the kernel asks for it to decide about every caller
+            // (FUSE_POSIX_ACL). If SOURCE does not answer, its last answer is given; if there
+            // is none, EIO: the kernel keeps an ACL it is given (a guess of "none" would stay
+            // after SOURCE is back), never an error, and refuses the access at hand.
+            let (acls, known) = (self.acls.clone(), self.acls.clone());
+            let acl_errno = |errno| match errno {
                 // A SOURCE without ACLs (NFSv4, `noacl`) has none, which the kernel must hear
                 // as such: any other error fails its every permission check past the owner.
-                libc::EOPNOTSUPP if acl => FsError::NoAttr,
+                libc::EOPNOTSUPP | libc::ENODATA => FsError::NoAttr,
                 errno => FsError::Source(errno),
-            })?;
-        sized(size, value)
+            };
+            self.offload.run(
+                move || {
+                    let read = source_node(&data, id).and_then(|node| source_xattr(&node, &name));
+                    acls.record(id, which, &read);
+                    read.map_err(acl_errno)
+                },
+                answer,
+                move || {
+                    known
+                        .known(id, which)
+                        .map_or(Err(FsError::Io), |r| r.map_err(acl_errno))
+                },
+            );
+            return;
+        }
+        let gate = self.gate.clone();
+        self.offload.run(
+            move || {
+                let catalog = &data.catalog;
+                gate.check(caller, id, libc::R_OK, || catalog.relative_path(id))
+                    .map_err(|r| refused(catalog, caller, id, r))?;
+                source_node(&data, id)
+                    .and_then(|node| source_xattr(&node, &name))
+                    .map_err(FsError::Source)
+            },
+            answer,
+            || Err(FsError::Io),
+        );
     }
 
     /// The source's own names only, minus any `user.stagefs.*` it carries (ours shadow those,
-    /// so listing them would promise values the mount does not give).
-    pub fn listxattr(&self, ino: u64, size: u32, caller: Caller) -> Result<Xattr, FsError> {
+    /// so listing them would promise values the mount does not give). Read off the FUSE
+    /// thread, bounded; EIO if SOURCE does not answer.
+    pub fn listxattr(&self, ino: u64, size: u32, caller: Caller, reply: Answer<Xattr>) {
         let id = id(ino);
         if self.data.catalog.entry(id).is_none() {
-            return Err(FsError::NotFound);
+            return reply(Err(FsError::NotFound));
         }
-        self.permitted(caller, id, libc::R_OK)?;
-        let names = match self.source_node(id) {
-            Ok(node) => source_list(&node),
-            Err(libc::ENODATA) => Ok(Vec::new()),
-            Err(errno) => Err(errno),
-        }
-        .map_err(FsError::Source)?;
-        // The daemon lists as root; `trusted.*` names are listed only to root on SOURCE too.
-        sized(size, without_ours(&names, caller.uid == 0))
+        let (data, gate) = (self.data.clone(), self.gate.clone());
+        self.offload.run(
+            move || {
+                let catalog = &data.catalog;
+                gate.check(caller, id, libc::R_OK, || catalog.relative_path(id))
+                    .map_err(|r| refused(catalog, caller, id, r))?;
+                match source_node(&data, id) {
+                    Ok(node) => source_list(&node),
+                    Err(libc::ENODATA) => Ok(Vec::new()),
+                    Err(errno) => Err(errno),
+                }
+                .map_err(FsError::Source)
+            },
+            // The daemon lists as root; `trusted.*` names are listed only to root on SOURCE too.
+            move |names| reply(names.and_then(|n| sized(size, without_ours(&n, caller.uid == 0)))),
+            || Err(FsError::Io),
+        );
     }
+}
 
-    /// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
-    /// through no link and no mount (a directory swapped for a link must not make the mount
-    /// read the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr
-    /// calls take.
-    fn source_node(&self, id: FileId) -> Result<SourceNode, i32> {
-        let catalog = &self.data.catalog;
-        // User attributes live on files and directories only (the kernel refuses them on
-        // links).
-        if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
-            return Err(libc::ENODATA);
-        }
-        let relative = catalog.relative_path(id);
-        let fd = self
-            .data
-            .source_root
-            .with(|root| {
-                crate::sys::openat2(
-                    root,
-                    &relative,
-                    libc::O_PATH | libc::O_NOFOLLOW,
-                    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
-                )
-            })
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::ENOENT) => libc::ENOENT,
-                _ => libc::ESTALE,
-            })?;
-        let path = c_path(std::path::Path::new(&format!(
-            "/proc/self/fd/{}",
-            fd.as_raw_fd()
-        )))?;
-        Ok(SourceNode { _fd: fd, path })
+/// The SOURCE entry behind `id`, reached as its other opens are: beneath SOURCE's root,
+/// through no link and no mount (a directory swapped for a link must not make the mount
+/// read the attributes of a file outside SOURCE), as a `/proc/self/fd` path the xattr
+/// calls take.
+fn source_node(data: &MountedDataset, id: FileId) -> Result<SourceNode, i32> {
+    let catalog = &data.catalog;
+    // User attributes live on files and directories only (the kernel refuses them on
+    // links).
+    if catalog.entry(id).is_some_and(|e| e.kind == Kind::Symlink) {
+        return Err(libc::ENODATA);
     }
+    let relative = catalog.relative_path(id);
+    let fd = data
+        .source_root
+        .with(|root| {
+            crate::sys::openat2(
+                root,
+                &relative,
+                libc::O_PATH | libc::O_NOFOLLOW,
+                libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
+            )
+        })
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) => libc::ENOENT,
+            _ => libc::ESTALE,
+        })?;
+    let path = c_path(std::path::Path::new(&format!(
+        "/proc/self/fd/{}",
+        fd.as_raw_fd()
+    )))?;
+    Ok(SourceNode { _fd: fd, path })
 }
 
 /// An open SOURCE node and the path that names it for as long as it is held.

@@ -3,6 +3,9 @@
 //! thread answers them when their deadlines pass. Every delayed request of a mount gets the
 //! same latency, so the order they arrive in is their deadline order and a FIFO queue is the
 //! whole schedule.
+//!
+//! The remote can also be frozen, as a parallel file system whose server stopped answering:
+//! then nothing is answered, delayed or not, until it is thawed.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -26,6 +29,9 @@ type Answer = Box<dyn FnOnce() + Send>;
 
 struct Queue {
     pending: VecDeque<(Instant, Answer)>,
+    /// Answers held while frozen, of requests that have no latency.
+    held: Vec<Answer>,
+    frozen: bool,
     /// Set when the mount ends: whatever waits is answered at once.
     closed: bool,
 }
@@ -48,6 +54,8 @@ impl Delayer {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 pending: VecDeque::new(),
+                held: Vec::new(),
+                frozen: false,
                 closed: false,
             }),
             wake: Condvar::new(),
@@ -81,6 +89,41 @@ impl Delayer {
     }
 }
 
+impl Delayer {
+    /// Runs `answer` now, or when thawed if the remote is frozen.
+    pub fn now_or_held(&self, answer: impl FnOnce() + Send + 'static) {
+        let mut queue = self.shared.queue.lock();
+        if queue.frozen && !queue.closed {
+            queue.held.push(Box::new(answer));
+        } else {
+            drop(queue);
+            answer();
+        }
+    }
+
+    /// A handle that freezes and thaws the remote.
+    pub fn freezer(&self) -> Freezer {
+        Freezer(self.shared.clone())
+    }
+}
+
+/// Freezes and thaws a remote: what a test uses to hang SOURCE.
+#[derive(Clone)]
+pub struct Freezer(Arc<Shared>);
+
+impl Freezer {
+    /// While `frozen`, no request is answered; thawing answers what was held.
+    pub fn set(&self, frozen: bool) {
+        let held = {
+            let mut queue = self.0.queue.lock();
+            queue.frozen = frozen;
+            std::mem::take(&mut queue.held)
+        };
+        self.0.wake.notify_one();
+        held.into_iter().for_each(|answer| answer());
+    }
+}
+
 impl Drop for Delayer {
     fn drop(&mut self) {
         self.shared.queue.lock().closed = true;
@@ -97,7 +140,7 @@ fn answer_when_due(shared: &Shared) {
     loop {
         let now = Instant::now();
         match queue.pending.front() {
-            Some(&(due, _)) if due <= now || queue.closed => {
+            Some(&(due, _)) if (due <= now && !queue.frozen) || queue.closed => {
                 let (_, answer) = queue.pending.pop_front().expect("a front entry");
                 // Answered unlocked: the session thread keeps queueing meanwhile.
                 drop(queue);
@@ -105,6 +148,7 @@ fn answer_when_due(shared: &Shared) {
                 answer();
                 queue = shared.queue.lock();
             }
+            Some(_) if queue.frozen => shared.wake.wait(&mut queue),
             Some(&(due, _)) => {
                 shared.wake.wait_for(&mut queue, due - now);
             }

@@ -10,6 +10,9 @@
 //! fuser's multi-threaded sessions would not do: a thread sleeping through a latency serves
 //! nothing else, so concurrency would end at the thread count.
 //!
+//! It can be frozen ([`SlowRemote::freeze`]): every request then waits, as on a parallel file
+//! system whose server hangs, which is how tests check that stagefs never waits with it.
+//!
 //! It sits beneath every other module (it uses none of them): it stands in for the remote file
 //! system that stagefs's SOURCE lives on. Mounted in-process by [`SlowRemote::mount`], it is
 //! unmounted when the guard is dropped.
@@ -24,7 +27,7 @@ use std::time::Duration;
 
 use fuser::{BackgroundSession, Config, MountOption, SessionACL};
 
-use delay::{DelayCounters, Delayer};
+use delay::{DelayCounters, Delayer, Freezer};
 use remote_fs::RemoteFs;
 
 /// Why the slow remote cannot be mounted.
@@ -81,14 +84,35 @@ pub struct SlowRemote {
     session: Option<BackgroundSession>,
     mountpoint: PathBuf,
     counters: Arc<DelayCounters>,
+    freezer: Freezer,
 }
 
 impl SlowRemote {
-    /// Serves `backing` (a directory) read-only at `mountpoint` with `latency` per round trip.
+    /// Serves `backing` (a directory) read-only at `mountpoint` with `latency` per round trip,
+    /// to the process that mounts it.
     pub fn mount(
         backing: &Path,
         mountpoint: &Path,
         latency: Latency,
+    ) -> Result<SlowRemote, SlowRemoteError> {
+        Self::mount_for(backing, mountpoint, latency, SessionACL::Owner)
+    }
+
+    /// As [`SlowRemote::mount`], to every user (`allow_other`, root only), as a shared file
+    /// system is: a stagefs mount shared with other users checks their opens on it as them.
+    pub fn mount_for_everyone(
+        backing: &Path,
+        mountpoint: &Path,
+        latency: Latency,
+    ) -> Result<SlowRemote, SlowRemoteError> {
+        Self::mount_for(backing, mountpoint, latency, SessionACL::All)
+    }
+
+    fn mount_for(
+        backing: &Path,
+        mountpoint: &Path,
+        latency: Latency,
+        acl: SessionACL,
     ) -> Result<SlowRemote, SlowRemoteError> {
         let backing_err = |source| SlowRemoteError::Backing {
             path: backing.to_path_buf(),
@@ -99,6 +123,7 @@ impl SlowRemote {
         let counters = Arc::new(DelayCounters::default());
         let delayer =
             Delayer::start(latency.metadata, counters.clone()).map_err(SlowRemoteError::Thread)?;
+        let freezer = delayer.freezer();
         let remote =
             RemoteFs::new(backing_abs.clone(), delayer, counters.clone()).map_err(backing_err)?;
         let mut config = Config::default();
@@ -112,7 +137,7 @@ impl SlowRemote {
             MountOption::NoAtime,
         ];
         // The process that mounts it reads it (the demo's own stagefs daemon included).
-        config.acl = SessionACL::Owner;
+        config.acl = acl;
         let session = fuser::spawn_mount(remote, mountpoint, &config).map_err(|source| {
             SlowRemoteError::Mount {
                 path: mountpoint.to_path_buf(),
@@ -123,7 +148,18 @@ impl SlowRemote {
             session: Some(session),
             mountpoint: mountpoint.to_path_buf(),
             counters,
+            freezer,
         })
+    }
+
+    /// Stops answering, as a hung server: every request waits until [`SlowRemote::thaw`].
+    pub fn freeze(&self) {
+        self.freezer.set(true);
+    }
+
+    /// Answers again, the requests that waited first.
+    pub fn thaw(&self) {
+        self.freezer.set(false);
     }
 
     pub fn mountpoint(&self) -> &Path {
@@ -143,6 +179,7 @@ impl Drop for SlowRemote {
     /// Unmounts and waits for the session to end. A mount still in use (EBUSY) is left to the
     /// kernel: the session thread ends when it is finally unmounted.
     fn drop(&mut self) {
+        self.thaw();
         if let Some(session) = self.session.take()
             && let Err(e) = session.umount_and_join()
         {

@@ -1,5 +1,6 @@
 //! The FUSE file system itself: a read-only view of a local directory whose LOOKUPs and OPENs
-//! are answered only after the latency (through [`Delayer`]), and everything else at once.
+//! are answered only after the latency (through [`Delayer`]), and everything else at once;
+//! while frozen, nothing that reads the remote is answered.
 //!
 //! Inode numbers come from a table keyed by the backing file's (device, inode), so a file keeps
 //! its number for the life of the mount, whichever way the kernel reaches it, and the root is
@@ -172,6 +173,19 @@ impl RemoteFs {
         Ok(FileHandle(handle))
     }
 
+    /// The backing directory's file system figures.
+    fn statfs_figures(&self) -> Result<libc::statvfs, Errno> {
+        let root = self.path(INodeNo(ROOT))?;
+        let root = File::open(root).map_err(errno)?;
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid open descriptor and a statvfs owned here.
+        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut s) } != 0 {
+            return Err(errno(io::Error::last_os_error()));
+        }
+        Ok(s)
+    }
+
     fn open_listing(&self, dir: INodeNo) -> Result<FileHandle, Errno> {
         let mut names: Vec<OsString> = fs::read_dir(self.path(dir)?)
             .and_then(|entries| entries.map(|e| e.map(|e| e.file_name())).collect())
@@ -205,20 +219,20 @@ impl Filesystem for RemoteFs {
         let attr = self
             .path(ino)
             .and_then(|path| fs::symlink_metadata(path).map_err(errno));
-        match attr {
+        self.delayer.now_or_held(move || match attr {
             Ok(meta) => reply.attr(&TTL, &file_attr(ino.0, &meta)),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     fn readlink(&self, _: &Request, ino: INodeNo, reply: ReplyData) {
-        match self
+        let target = self
             .path(ino)
-            .and_then(|path| fs::read_link(path).map_err(errno))
-        {
+            .and_then(|path| fs::read_link(path).map_err(errno));
+        self.delayer.now_or_held(move || match target {
             Ok(target) => reply.data(target.as_os_str().as_bytes()),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     /// A metadata-server round trip: answered after the latency. No `FOPEN_KEEP_CACHE`: like
@@ -244,11 +258,12 @@ impl Filesystem for RemoteFs {
         reply: ReplyData,
     ) {
         let file = self.open_files.lock().get(&fh.0).cloned();
-        match file.map(|f| read_at(&f, offset, size)) {
-            Some(Ok(bytes)) => reply.data(&bytes),
-            Some(Err(e)) => reply.error(errno(e)),
-            None => reply.error(Errno::EBADF),
-        }
+        self.delayer
+            .now_or_held(move || match file.map(|f| read_at(&f, offset, size)) {
+                Some(Ok(bytes)) => reply.data(&bytes),
+                Some(Err(e)) => reply.error(errno(e)),
+                None => reply.error(Errno::EBADF),
+            });
     }
 
     fn release(
@@ -272,10 +287,11 @@ impl Filesystem for RemoteFs {
     }
 
     fn opendir(&self, _: &Request, ino: INodeNo, _: OpenFlags, reply: ReplyOpen) {
-        match self.open_listing(ino) {
+        let listing = self.open_listing(ino);
+        self.delayer.now_or_held(move || match listing {
             Ok(handle) => reply.opened(handle, FopenFlags::empty()),
             Err(e) => reply.error(e),
-        }
+        });
     }
 
     /// Lists no `.` and `..`: the kernel resolves those names without asking (only `ls -a`
@@ -291,15 +307,21 @@ impl Filesystem for RemoteFs {
         let Some(names) = self.listings.lock().get(&fh.0).cloned() else {
             return reply.error(Errno::EBADF);
         };
-        for (i, name) in names.iter().enumerate().skip(offset as usize) {
-            // A name gone since OPENDIR is left out, as a local readdir would.
-            if let Ok(attr) = self.entry(ino, name)
-                && reply.add(attr.ino, i as u64 + 1, attr.kind, name)
-            {
-                break;
+        // A name gone since OPENDIR is left out, as a local readdir would.
+        let entries: Vec<_> = names
+            .iter()
+            .enumerate()
+            .skip(offset as usize)
+            .filter_map(|(i, name)| Some((i as u64 + 1, self.entry(ino, name).ok()?, name.clone())))
+            .collect();
+        self.delayer.now_or_held(move || {
+            for (next, attr, name) in entries {
+                if reply.add(attr.ino, next, attr.kind, name) {
+                    break;
+                }
             }
-        }
-        reply.ok();
+            reply.ok();
+        });
     }
 
     fn releasedir(&self, _: &Request, _: INodeNo, fh: FileHandle, _: OpenFlags, reply: ReplyEmpty) {
@@ -308,40 +330,30 @@ impl Filesystem for RemoteFs {
     }
 
     fn statfs(&self, _: &Request, _: INodeNo, reply: ReplyStatfs) {
-        let root = self
-            .path(INodeNo(ROOT))
-            .and_then(|p| File::open(p).map_err(errno));
-        let root = match root {
-            Ok(f) => f,
-            Err(e) => return reply.error(e),
-        };
-        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid open descriptor and a statvfs owned here.
-        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut s) } != 0 {
-            return reply.error(errno(io::Error::last_os_error()));
-        }
-        reply.statfs(
-            s.f_blocks,
-            s.f_bfree,
-            s.f_bavail,
-            s.f_files,
-            s.f_ffree,
-            s.f_bsize as u32,
-            s.f_namemax as u32,
-            s.f_frsize as u32,
-        );
+        let figures = self.statfs_figures();
+        self.delayer.now_or_held(move || match figures {
+            Ok(s) => reply.statfs(
+                s.f_blocks,
+                s.f_bfree,
+                s.f_bavail,
+                s.f_files,
+                s.f_ffree,
+                s.f_bsize as u32,
+                s.f_namemax as u32,
+                s.f_frsize as u32,
+            ),
+            Err(e) => reply.error(e),
+        });
     }
 
     /// No extended attributes; ENOSYS makes the kernel stop asking.
     fn getxattr(&self, _: &Request, _: INodeNo, _: &OsStr, _: u32, reply: ReplyXattr) {
-        reply.error(Errno::ENOSYS);
+        self.delayer.now_or_held(move || reply.error(Errno::ENOSYS));
     }
 
     fn listxattr(&self, _: &Request, _: INodeNo, _: u32, reply: ReplyXattr) {
-        reply.error(Errno::ENOSYS);
+        self.delayer.now_or_held(move || reply.error(Errno::ENOSYS));
     }
-
     /// Python's `open()` asks whether the file is a terminal; a regular file says no.
     fn ioctl(
         &self,
