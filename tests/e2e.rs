@@ -905,10 +905,8 @@ fn free_port() -> String {
     listener.local_addr().unwrap().port().to_string()
 }
 
-/// Runs the `ddp` stack of train_stacks.py with `args` as two ranks on one node (gloo, with
-/// the environment torchrun gives them) directly, then through `mount` with `env` on top;
-/// checks each mounted rank read what its direct twin read.
-/// Returns the mount's statistics before the job and after, and at each of rank 0's epoch ends.
+/// Runs the `ddp` stack of train_stacks.py with `args` as two ranks on one node (see
+/// [`two_ranks_of`]).
 fn two_ranks(
     work: &tempfile::TempDir,
     data: &Dataset,
@@ -918,6 +916,28 @@ fn two_ranks(
 ) -> (Value, Value, Vec<Value>) {
     let mut args_of_job = vec!["--stack", "ddp"];
     args_of_job.extend_from_slice(args);
+    two_ranks_of(
+        "train_stacks.py",
+        &args_of_job,
+        work,
+        &data.root,
+        mount,
+        env,
+    )
+}
+
+/// Runs `script` with `args_of_job` as two ranks on one node (gloo, with the environment
+/// torchrun gives them) directly on `source`, then through `mount` with `env` on top; checks
+/// each mounted rank read what its direct twin read.
+/// Returns the mount's statistics before the job and after, and at each of rank 0's epoch ends.
+fn two_ranks_of(
+    script: &str,
+    args_of_job: &[&str],
+    work: &tempfile::TempDir,
+    source: &Path,
+    mount: &TestMount,
+    env: &[(String, String)],
+) -> (Value, Value, Vec<Value>) {
     let launch = |rank: usize, port: &str, mounted: bool| {
         let mut vars = vec![
             ("RANK".to_string(), rank.to_string()),
@@ -933,7 +953,7 @@ fn two_ranks(
         Launch {
             epochs: FEED_EPOCHS,
             env: vars,
-            ..Launch::new("train_stacks.py", &args_of_job)
+            ..Launch::new(script, args_of_job)
         }
     };
     // The direct pair first, to its end: the mounted pair measures how soon staging keeps up
@@ -945,9 +965,9 @@ fn two_ranks(
                 .map(|rank| {
                     let launch = launch(rank, &port, mounted);
                     let (name, root) = if mounted {
-                        (format!("ddp-stagefs-{rank}"), &mount.mnt)
+                        (format!("ddp-stagefs-{rank}"), mount.mnt.as_path())
                     } else {
-                        (format!("ddp-direct-{rank}"), &data.root)
+                        (format!("ddp-direct-{rank}"), source)
                     };
                     s.spawn(move || {
                         Job::spawn(work.path(), &name, &launch, root).finish(|_| {
@@ -1420,4 +1440,331 @@ fn a_wrong_sampler_is_lost_within_the_first_epoch() {
         &["--sampler", "numpy-legacy", "--seed", "5"],
         "numpy-inplace",
     );
+}
+
+/// A dataset root as the programs users run expect it (the PyTorch ImageNet example, timm,
+/// Lightning): `train/` and `val/`, each an ImageFolder, on local disk.
+struct SplitRoot {
+    root: PathBuf,
+    train: Dataset,
+    val: Dataset,
+}
+
+/// Training and validation set sizes: validation a tenth, as usual.
+const SPLIT_TRAIN_FILES: u32 = 2000;
+const SPLIT_VAL_FILES: u32 = 200;
+
+impl SplitRoot {
+    fn make(root: &Path) -> SplitRoot {
+        SplitRoot {
+            root: root.to_path_buf(),
+            train: Dataset::make_sized(&root.join("train"), SPLIT_TRAIN_FILES, 10, FEED_FILE_KB),
+            val: Dataset::make_sized(&root.join("val"), SPLIT_VAL_FILES, 10, FEED_FILE_KB),
+        }
+    }
+
+    /// A mount of the whole root with `flags` and a cache of 30% of it.
+    fn mount(&self, work: &Path, flags: &[&str]) -> TestMount {
+        let bytes =
+            self.train.bytes(self.train.files.keys()) + self.val.bytes(self.val.files.keys());
+        let cache_size = (bytes * FEED_CACHE_PERCENT / 100).to_string();
+        let mut args = vec!["--cache-size", &cache_size];
+        args.extend_from_slice(flags);
+        TestMount::new(&self.root, &work.join("node"), &args)
+    }
+}
+
+/// The stream named `name` in a stats snapshot: (predicted, opens, hits).
+fn stream(stats: &Value, name: &str) -> (bool, u64, u64) {
+    let found = stats["streams"].as_array().and_then(|streams| {
+        streams.iter().find(|s| s["name"] == name).map(|s| {
+            (
+                s["predicted"].as_bool().unwrap(),
+                s["opens"].as_u64().unwrap(),
+                s["hits"].as_u64().unwrap(),
+            )
+        })
+    });
+    found.unwrap_or((false, 0, 0))
+}
+
+/// The training stream's hit ratio per epoch, from snapshots taken before the job and at each
+/// epoch's end.
+fn train_hit_ratios(at: &[Value]) -> Vec<f64> {
+    at.windows(2)
+        .map(|w| {
+            let ((_, o0, h0), (_, o1, h1)) = (stream(&w[0], "train"), stream(&w[1], "train"));
+            (h1 - h0) as f64 / (o1 - o0).max(1) as f64
+        })
+        .collect()
+}
+
+/// The checks of a job's training stream through a mount of a root with train/ and val/:
+/// predicted with hit ratios `min` per epoch, never lost, every training open predicted from
+/// epoch `exact_from` on; validation is another stream, served on demand and never judged.
+fn check_split_run(what: &str, at: &[Value], min: &[f64], exact_from: usize) {
+    let ratios = train_hit_ratios(at);
+    for (e, ratio) in ratios.iter().enumerate() {
+        let want = min[e.min(min.len() - 1)];
+        assert!(
+            *ratio >= want,
+            "{what} epoch {e}: training hit ratio {ratio:.4} < {want}; {}",
+            at[e + 1]
+        );
+    }
+    for (e, s) in at.iter().enumerate().skip(1 + exact_from) {
+        assert_eq!(
+            s["mode"],
+            "predicting",
+            "{what} at epoch {} end: {s}",
+            e - 1
+        );
+    }
+    let last = at.last().unwrap();
+    let (predicted, ..) = stream(last, "train");
+    assert!(predicted, "{what}: train is the predicted stream: {last}");
+    let (val_predicted, val_opens, _) = stream(last, "val");
+    assert!(
+        !val_predicted && val_opens > 0,
+        "{what}: validation read as a stream of its own: {last}"
+    );
+    for q in last["prediction_quality_by_epoch"].as_array().unwrap() {
+        let (opens, predicted) = (
+            q["opens"].as_u64().unwrap(),
+            q["predicted"].as_u64().unwrap(),
+        );
+        if q["epoch"].as_u64().unwrap() as usize >= exact_from {
+            assert!(
+                predicted as f64 >= 0.99 * opens as f64,
+                "{what}: training prediction quality {q}; {last}"
+            );
+        }
+    }
+    eprintln!("{what}: training hit ratio per epoch {ratios:.4?}");
+}
+
+/// One process over a root with train/ and val/ (`train_val.py` with `args`), run directly and
+/// through `mount` with `env`: the same training order and bytes; returns the mount's
+/// snapshots before the job and at each epoch's end.
+fn split_job(
+    work: &Path,
+    split: &SplitRoot,
+    mount: &TestMount,
+    args: &[&str],
+    env: Vec<(String, String)>,
+) -> Vec<Value> {
+    let launch = Launch {
+        epochs: FEED_EPOCHS,
+        ..Launch::new("train_val.py", args)
+    };
+    let hooked = Launch {
+        env,
+        epochs: FEED_EPOCHS,
+        ..Launch::new("train_val.py", args)
+    };
+    let (dlines, dorder) = Job::spawn(work, "split-direct", &launch, &split.root).finish(|_| {});
+    let mut at = vec![mount.stats()];
+    let (lines, order) =
+        Job::spawn(work, "split-stagefs", &hooked, &mount.mnt).finish(|_| at.push(mount.stats()));
+    same_order(
+        "training order through the mount vs direct",
+        &order,
+        &dorder,
+    );
+    for (e, (d, m)) in dlines.iter().zip(&lines).enumerate() {
+        assert_eq!(
+            m["checksum"], d["checksum"],
+            "epoch {e}: checksum through the mount"
+        );
+    }
+    at
+}
+
+/// The hook on a mount of a root with train/ and val/, no flags: a validation sanity check
+/// before training (Lightning's) and a validation pass between epochs. The mount follows the
+/// training loader's stream from its first announcement (not validation's), every training
+/// open is predicted and the tracker is never lost; validation is served on demand as a stream
+/// of its own.
+#[test]
+fn the_hook_follows_training_over_a_root_with_train_and_val() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let mount = split.mount(work.path(), &[]);
+    let args = ["--sampler", "global", "--sanity-check", "--seed", "5"];
+    let at = split_job(work.path(), &split, &mount, &args, feed_env());
+    check_split_run("hooked, train/ + val/", &at, &[0.95, 0.97], 0);
+    let last = at.last().unwrap();
+    assert_eq!(last["prediction"], "announced by the job", "{last}");
+    assert_eq!(
+        last["epoch"],
+        FEED_EPOCHS as u64 - 1,
+        "training epochs count from 0: {last}"
+    );
+    let ((_, train_opens, _), (_, val_opens, _)) = (stream(last, "train"), stream(last, "val"));
+    assert_eq!(
+        train_opens,
+        FEED_EPOCHS as u64 * SPLIT_TRAIN_FILES as u64,
+        "{last}"
+    );
+    // Two sanity-check batches of 16 (and what the workers prefetched), then a pass after
+    // each epoch but the last's (whose pass comes after the last snapshot).
+    let passes = (FEED_EPOCHS as u64 - 1) * SPLIT_VAL_FILES as u64;
+    assert!(val_opens >= 32 + passes, "{last}");
+    mount.unmount();
+}
+
+/// timm's ImageDataset keeps its files in `reader.samples`: the hook maps it like an
+/// ImageFolder.
+#[test]
+fn the_hook_maps_a_dataset_that_keeps_its_files_in_a_reader() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let mount = split.mount(work.path(), &["--sampler", "feed"]);
+    let args = ["--sampler", "global", "--timm-like", "--seed", "5"];
+    let at = split_job(work.path(), &split, &mount, &args, feed_env());
+    check_split_run("hooked timm-like dataset", &at, &[0.95, 0.97], 0);
+    let stderr = std::fs::read_to_string(work.path().join("split-stagefs.stderr")).unwrap();
+    assert!(!stderr.contains("stagefs-feed: warning"), "{stderr}");
+    mount.unmount();
+}
+
+/// No flags, no hook, one process shuffling with torch's global generator after building a
+/// model (the ImageNet example's single-process shape): no search can find that order, and
+/// the mount says so, and why, by the end of the first epoch.
+#[test]
+fn auto_says_why_it_cannot_find_an_order_within_the_first_epoch() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let mount = split.mount(work.path(), &[]);
+    let args = ["--sampler", "global", "--seed", "5"];
+    let at = split_job(work.path(), &split, &mount, &args, Vec::new());
+    // Searches run on a thread: the verdict may come moments after the epoch's last open.
+    let said = |s: &Value| {
+        s["prediction"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("auto: not found")
+    };
+    let first_epoch = &at[1];
+    assert!(
+        said(first_epoch) || wait_for(Duration::from_secs(10), || said(&mount.stats())),
+        "no verdict by the end of epoch 0: {first_epoch}"
+    );
+    let prediction = mount.stats()["prediction"].as_str().unwrap().to_string();
+    for told in ["train", "global generator", "feed-env"] {
+        assert!(
+            prediction.contains(told),
+            "the verdict names {told:?}: {prediction}"
+        );
+    }
+    mount.unmount();
+}
+
+/// torchrun DDP over a root with train/ and val/, no flags and no hook: auto finds the
+/// DistributedSampler of `train/` in epoch 0 (validation's in-order opens between epochs are
+/// another stream), and the training stream is predicted from then on.
+#[test]
+fn auto_finds_ddp_training_over_a_root_with_train_and_val() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let mount = split.mount(work.path(), &[]);
+    let args = ["--sampler", "ddp", "--seed", "0", "--compute-ms", "100"];
+    let (before, after, ends) =
+        two_ranks_of("train_val.py", &args, &work, &split.root, &mount, &[]);
+    let mut at = vec![before];
+    at.extend(ends);
+    at.push(after.clone());
+    check_split_run(
+        "auto, ddp over train/ + val/",
+        &at[..at.len() - 1],
+        &AUTO_HIT_RATIOS,
+        1,
+    );
+    assert_eq!(
+        after["prediction"],
+        "detected: --sampler torch-distributed --seed 0 --world-size 2 --ranks 0-1 --epoch 0 --dataset train",
+        "{after}"
+    );
+    mount.unmount();
+}
+
+/// A Lightning-style DDP job: its shuffling loader's sampler is a DistributedSampler over the
+/// list a RandomSampler draws from the global generator each epoch, which nothing can predict
+/// from flags; with the hook, every training open after the first epoch's start is predicted.
+#[test]
+fn the_hook_follows_a_wrapped_distributed_sampler() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let mount = split.mount(work.path(), &[]);
+    let args = [
+        "--sampler",
+        "wrapped",
+        "--seed",
+        "7",
+        "--sanity-check",
+        "--compute-ms",
+        "100",
+    ];
+    let (before, after, ends) = two_ranks_of(
+        "train_val.py",
+        &args,
+        &work,
+        &split.root,
+        &mount,
+        &feed_env(),
+    );
+    let mut at = vec![before];
+    at.extend(ends);
+    check_split_run("hooked, wrapped DistributedSampler", &at, &[0.9, 0.97], 0);
+    assert_eq!(after["prediction"], "announced by the job", "{after}");
+    mount.unmount();
+}
+
+/// Two ranks launched without gradient sync, one slower: they drift apart by hundreds of
+/// samples. Each is followed on its own: the training stream stays predicted and hit, and
+/// little staged is thrown away.
+#[test]
+fn ranks_that_drift_apart_keep_their_hits() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let split = SplitRoot::make(&work.path().join("src"));
+    let flags = [
+        "--sampler",
+        "torch-distributed",
+        "--seed",
+        "0",
+        "--world-size",
+        "2",
+        "--ranks",
+        "0-1",
+        "--dataset",
+        "train",
+    ];
+    let mount = split.mount(work.path(), &flags);
+    let args = [
+        "--sampler",
+        "ddp",
+        "--no-sync",
+        "--slow-ms",
+        "60",
+        "--seed",
+        "0",
+    ];
+    let (before, after, ends) =
+        two_ranks_of("train_val.py", &args, &work, &split.root, &mount, &[]);
+    let mut at = vec![before];
+    at.extend(ends);
+    check_split_run("drifting ranks", &at, &[0.9, 0.97], 0);
+    let wasted = after["wasted_bytes"].as_u64().unwrap();
+    let train_bytes = split.train.bytes(split.train.files.keys());
+    assert!(
+        wasted < train_bytes / 10,
+        "wasted {wasted} of a {train_bytes}-byte dataset: {after}"
+    );
+    mount.unmount();
 }

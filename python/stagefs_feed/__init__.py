@@ -485,15 +485,18 @@ class _RandomStateKept:
 
 
 def _with_set_epoch(sampler):
-    """(the sampler or the one it batches, if its ``set_epoch`` is DistributedSampler's, and
-    the batch sampler). Another ``set_epoch`` may do more than set a number (tell the dataset,
-    say), which on a copy would reach the job."""
+    """(the sampler or the one it batches, if its ``set_epoch`` and its iteration are
+    DistributedSampler's, and the batch sampler). Another ``set_epoch`` may do more than set a
+    number (tell the dataset, say), which on a copy would reach the job; another iteration may
+    draw from a generator the job moves meanwhile (Lightning's DistributedSamplerWrapper draws
+    its RandomSampler's list from the global generator as the epoch starts)."""
     from torch.utils.data import DistributedSampler
 
     for holder, outer in ((sampler, None), (getattr(sampler, "sampler", None), sampler)):
         if (
             isinstance(holder, DistributedSampler)
             and type(holder).set_epoch is DistributedSampler.set_epoch
+            and type(holder).__iter__ is DistributedSampler.__iter__
             and isinstance(getattr(holder, "epoch", None), int)
         ):
             return holder, outer

@@ -6,10 +6,11 @@
 //! can take over), bound each call that has to reach it, and can abort its connection through
 //! fusectl. The daemon (unmounting its own mount) and `stagefs unmount` share it.
 
-use std::ffi::CString;
+use std::ffi::{CString, OsString};
 use std::fs;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
@@ -28,13 +29,18 @@ pub struct MountEntry {
 }
 
 impl MountEntry {
-    fn parse(line: &str) -> Option<MountEntry> {
-        let mut fields = line.split(' ');
-        let id = fields.next()?.parse().ok()?;
-        let (major, minor) = fields.nth(1)?.split_once(':')?;
-        let path = PathBuf::from(unescape(fields.nth(1)?));
+    /// One line, as bytes: a mount point is any path, UTF-8 or not (anyone may mount a FUSE
+    /// file system at a name of their choosing in a directory of theirs).
+    fn parse(line: &[u8]) -> Option<MountEntry> {
+        let mut fields = line.split(|&b| b == b' ');
+        let text = |field: &[u8]| std::str::from_utf8(field).ok().map(str::to_owned);
+        let id = text(fields.next()?)?.parse().ok()?;
+        let device = text(fields.nth(1)?)?;
+        let (major, minor) = device.split_once(':')?;
+        let path = PathBuf::from(OsString::from_vec(unescape(fields.nth(1)?)));
         // Optional fields end at the "-" separator; the file system type follows it.
-        let fstype = fields.skip_while(|f| *f != "-").nth(1)?.to_string();
+        let fstype =
+            String::from_utf8_lossy(fields.skip_while(|f| *f != b"-").nth(1)?).into_owned();
         Some(MountEntry {
             id,
             major: major.parse().ok()?,
@@ -47,9 +53,9 @@ impl MountEntry {
 
 /// Every mount of this namespace, in mount order (a mount stacked on another comes later).
 pub fn table() -> Vec<MountEntry> {
-    fs::read_to_string("/proc/self/mountinfo")
+    fs::read("/proc/self/mountinfo")
         .unwrap_or_default()
-        .lines()
+        .split(|&b| b == b'\n')
         .filter_map(MountEntry::parse)
         .collect()
 }
@@ -118,9 +124,8 @@ fn resolve_links(path: &Path, hops: u32) -> PathBuf {
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> String {
-    let mut out = Vec::with_capacity(s.len());
-    let b = s.as_bytes();
+fn unescape(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'\\'
@@ -134,7 +139,7 @@ fn unescape(s: &str) -> String {
             i += 1;
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 /// Runs `f` (a call that may block on a FUSE mount) on its own thread and waits at most
@@ -392,12 +397,27 @@ mod tests {
     #[test]
     fn parses_mountinfo_lines() {
         let m = MountEntry::parse(
-            "812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0",
+            b"812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0",
         )
         .unwrap();
         assert_eq!((m.id, m.major, m.minor), (812, 0, 97));
         assert_eq!(m.path, std::path::Path::new("/tmp/a b"));
         assert_eq!(m.fstype, "fuse.stagefs");
-        assert_eq!(MountEntry::parse("junk"), None);
+        assert_eq!(MountEntry::parse(b"junk"), None);
+    }
+
+    /// Found when another user's mount at a Latin-1 name made the whole table unreadable as
+    /// UTF-8: every mount then failed with "the mount is not in /proc/self/mountinfo".
+    #[test]
+    fn a_mount_point_that_is_not_utf8_hides_no_other_mount() {
+        use std::os::unix::ffi::OsStrExt;
+        let m =
+            MountEntry::parse(b"46 27 0:41 / /tmp/caf\xe9 rw,relatime - tmpfs none rw").unwrap();
+        assert_eq!(m.path.as_os_str().as_bytes(), b"/tmp/caf\xe9");
+        let table = super::table();
+        assert!(
+            table.iter().any(|m| m.path == std::path::Path::new("/")),
+            "{table:?}"
+        );
     }
 }

@@ -450,8 +450,12 @@ impl Plan {
 
     /// Whether an open of `file` belongs to the predicted stream: a sample of its dataset, or
     /// for a fed order, a file the followed stream announced. Other opens (a validation set,
-    /// a label file) are another stream's, never judged against this one.
-    pub fn is_member(&self, file: FileId) -> bool {
+    /// a label file), and every open while nothing is predicted, are another stream's, never
+    /// judged against this one.
+    pub fn in_predicted_stream(&self, file: FileId) -> bool {
+        if !self.predicts() {
+            return false;
+        }
         let order = self.order.read();
         if order.sampler.kind == SamplerKind::Feed {
             self.feed.contains(file)

@@ -646,6 +646,7 @@ impl Inner {
         // Again under the lock: the opens since are the reader's too.
         let recent = st.tracker.recent_files();
         self.reposition(&mut st, self.plan.join(epoch, first));
+        self.follow_stream(&mut st);
         st.tracker.replay(&recent);
         st.frontier = st.frontier.max(st.tracker.cursor());
         st.hint = None;

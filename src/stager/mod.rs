@@ -298,7 +298,9 @@ impl Stager {
         {
             // Reused files beyond capacity (a smaller --cache-size than last time) go now,
             // furthest next use first.
-            inner.make_room(&mut inner.state.lock(), 0, 0);
+            let mut st = inner.state.lock();
+            inner.follow_stream(&mut st);
+            inner.make_room(&mut st, 0, 0);
         }
         let spawn = |name: String, body: fn(Arc<Inner>)| {
             let inner = inner.clone();
@@ -416,6 +418,7 @@ impl Stager {
                 let pos = plan.join(at_epoch, at_offset);
                 self.inner.reposition(&mut st, pos);
             }
+            self.inner.follow_stream(&mut st);
             change
         };
         let ahead = if current { "" } else { " (ahead)" };
@@ -497,7 +500,7 @@ impl Stager {
                 TrackerMode::Lost => "lost",
                 TrackerMode::OnDemand => "on-demand",
             },
-            streams: st.streams.stats(&self.inner.predicted_stream()),
+            streams: st.streams.stats(),
         }
     }
 
@@ -558,13 +561,21 @@ impl Inner {
         }
     }
 
-    /// The name of the stream the prediction follows: the announced stream's, else its
-    /// dataset's directory.
-    fn predicted_stream(&self) -> String {
-        match self.plan.followed_stream() {
-            Some(stream) if self.plan.is_fed() => stream.name,
-            _ => crate::catalog::dataset_name(&self.catalog, self.plan.layout().root()),
+    /// The name of the stream the prediction follows, if any: the announced stream's, else
+    /// its dataset's directory.
+    fn predicted_stream(&self) -> Option<String> {
+        if !self.plan.predicts() {
+            return None;
         }
+        Some(match self.plan.followed_stream() {
+            Some(stream) if self.plan.is_fed() => stream.name,
+            _ => self.plan.layout().name().to_owned(),
+        })
+    }
+
+    /// Counts opens under the stream the prediction follows now (call after it changed).
+    fn follow_stream(&self, st: &mut State) {
+        st.streams.follow(self.predicted_stream());
     }
 
     fn size_of(&self, file: FileId) -> u64 {

@@ -137,7 +137,7 @@ impl Inner {
     fn track_open(self: &Arc<Self>, st: &mut MutexGuard<'_, State>, file: FileId) -> StreamSlot {
         st.unread.remove(&file);
         st.access_seq += 1;
-        if self.plan.is_member(file) {
+        if self.plan.in_predicted_stream(file) {
             self.track_predicted(st, file);
             return st.streams.predicted_open();
         }
