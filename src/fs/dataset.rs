@@ -93,7 +93,7 @@ pub struct DatasetFs<B> {
     pub(super) data: Arc<MountedDataset>,
     /// Shared with the open callbacks, which the stager may call on its own threads.
     opens: Arc<Opens<B>>,
-    gate: Gate,
+    pub(super) gate: Gate,
     /// Size probes of our extended attributes, for this mount.
     pub(super) probes: Probes,
     /// Which rank each opener is, while `--sampler auto` wants to know.
