@@ -1116,6 +1116,40 @@ fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
     );
 }
 
+/// The hook against hostile servers (`tests/e2e/hook_channel.py`): a reply trickled a byte at
+/// a time, a reply of hundreds of megabytes, a look-alike mount carrying a control address,
+/// and another user's socket for a real mount each end in one refusal, quickly and in little
+/// memory; the real daemon is still talked to. Before, the hook waited for ever on the
+/// trickle, buffered the whole reply, and connected to any socket the attribute named.
+#[test]
+fn the_hook_talks_only_to_a_verified_daemon_within_bounds() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let source = work.path().join("train");
+    image_folder(&source, 8, 2, 100, 200);
+    let mount = TestMount::new(&source, work.path(), &["--sampler", "feed"]);
+    let out = Command::new("timeout")
+        .arg("180")
+        .arg(PYTHON)
+        .arg(e2e_dir().join("hook_channel.py"))
+        .arg(&mount.mnt)
+        .arg(work.path())
+        .env(
+            "PYTHONPATH",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        )
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("run /usr/bin/python3");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    mount.unmount();
+}
+
 /// Hit ratios `--sampler auto` must reach with a 30% cache: epoch 0 pays for the opens before
 /// the order is found, the later ones only for the races at their start.
 const AUTO_HIT_RATIOS: [f64; 2] = [0.9, 0.99];
