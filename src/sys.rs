@@ -210,3 +210,29 @@ pub fn uid_of_user(name: &str) -> Option<u32> {
     };
     (rc == 0 && !found.is_null()).then_some(entry.pw_uid)
 }
+
+/// faccessat2(2) with the caller's effective (file-system) credentials: whether `name` in
+/// `dir` (`dir` itself if empty) allows `mask` (`R_OK`, `X_OK`, ...). `flags` adds to
+/// `AT_EACCESS`, e.g. `AT_SYMLINK_NOFOLLOW`.
+pub fn faccessat2(dir: BorrowedFd<'_>, name: &Path, mask: i32, flags: i32) -> io::Result<()> {
+    let c = c_path(name)?;
+    let empty = if name.as_os_str().is_empty() {
+        libc::AT_EMPTY_PATH
+    } else {
+        0
+    };
+    // SAFETY: a valid directory fd and a NUL-terminated name (empty only with AT_EMPTY_PATH).
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_faccessat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            mask,
+            libc::AT_EACCESS | empty | flags,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}

@@ -6,6 +6,8 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -221,6 +223,18 @@ fn lines_until_held(child: &mut Child) -> Vec<String> {
         .collect()
 }
 
+/// A mount of `source` whose job's user is nobody, predicting with `sampler`.
+fn nobodys_job_mount(source: &Path, work: &Path, sampler: &str) -> TestMount {
+    let options = [
+        "--sampler",
+        sampler,
+        "--allow-other",
+        "--job-user",
+        "nobody",
+    ];
+    TestMount::new(source, work, &options)
+}
+
 fn order(epoch: u64, dataset: Option<u64>, indices: &[u64]) -> Value {
     let mut order = json!({"op": "order", "epoch": epoch, "rank": 0, "world_size": 1, "current": true, "indices": indices});
     if let Some(d) = dataset {
@@ -254,11 +268,7 @@ fn only_the_owner_root_and_the_job_user_may_control_a_mount() {
 
     // ...unless it names the user whose job it follows (only the owner and root are told
     // how many of the paths are files).
-    let job = TestMount::new(
-        &source,
-        &work.path().join("c"),
-        &["--sampler", "feed", "--allow-other", "--job-user", "nobody"],
-    );
+    let job = nobodys_job_mount(&source, &work.path().join("c"), "feed");
     assert_eq!(
         replies_as(NOBODY, &job, register.clone()),
         [r#"{"dataset":0,"ok":true}"#]
@@ -350,11 +360,7 @@ fn announcements_drop_files_the_announcer_may_not_read() {
         std::os::unix::fs::PermissionsExt::from_mode(0o700),
     )
     .unwrap();
-    let mount = TestMount::new(
-        &source,
-        work.path(),
-        &["--sampler", "feed", "--allow-other", "--job-user", "nobody"],
-    );
+    let mount = nobodys_job_mount(&source, work.path(), "feed");
     let state = |rel: &str| mount.getfattr(&mount.mnt.join(rel), "user.stagefs.state");
     let size = |rel: &str| std::fs::metadata(source.join(rel)).unwrap().len();
     // The private files come first: staged at all, they would be staged before the others.
@@ -397,17 +403,7 @@ fn announcements_drop_files_the_announcer_may_not_read() {
 fn other_users_cannot_lock_the_owner_out() {
     let work = open_workdir();
     let source = dataset(work.path());
-    let mount = TestMount::new(
-        &source,
-        work.path(),
-        &[
-            "--sampler",
-            "torch-distributed",
-            "--allow-other",
-            "--job-user",
-            "nobody",
-        ],
-    );
+    let mount = nobodys_job_mount(&source, work.path(), "torch-distributed");
     let ping = json!([{"op": "dataset", "paths": []}]);
     let mut holders: Vec<(u32, Child)> = [NOBODY, OTHER, 65532, 65531]
         .into_iter()
@@ -447,11 +443,7 @@ fn other_users_cannot_lock_the_owner_out() {
 fn a_users_registrations_share_one_budget() {
     let work = open_workdir();
     let source = dataset(work.path());
-    let mount = TestMount::new(
-        &source,
-        work.path(),
-        &["--sampler", "feed", "--allow-other", "--job-user", "nobody"],
-    );
+    let mount = nobodys_job_mount(&source, work.path(), "feed");
     // 40 files: the budget is its floor, 2^20 entries.
     let nulls = |n: usize| json!([{"op": "dataset", "paths": vec![Value::Null; n]}]);
     let mut first = client_as(NOBODY, &mount, 1, &nulls((1 << 20) - 8), true);
@@ -489,13 +481,9 @@ fn a_far_epoch_is_given_up_when_its_client_hangs_up() {
     let source = dataset(work.path());
     let mount = TestMount::new(&source, work.path(), &["--sampler", "numpy-legacy"]);
     let pid = mount.daemon_pid();
-    let mut client = std::os::unix::net::UnixStream::connect_addr(
-        &<std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
-            address(&mount)[1..].as_bytes(),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let name = address(&mount);
+    let addr = SocketAddr::from_abstract_name(&name.as_bytes()[1..]).unwrap();
+    let mut client = UnixStream::connect_addr(&addr).unwrap();
     // 40 samples × 4·10^8 epochs: 1.6·10^10 draws, just within what an epoch may cost.
     writeln!(client, r#"{{"op":"epoch","epoch":400000000}}"#).unwrap();
     assert!(wait_for(Duration::from_secs(20), || {

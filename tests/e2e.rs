@@ -1099,8 +1099,17 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
 /// loader and sampler generators and `set_epoch` samplers, and the job draws the same.
 #[test]
 fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
-    let out = Command::new(PYTHON)
-        .arg(e2e_dir().join("hook_lookahead.py"))
+    hook_script_passes("hook_lookahead.py", &[]);
+}
+
+/// Runs `tests/e2e/SCRIPT ARGS` with the checkout's hook on PYTHONPATH (a hang fails it after
+/// 3 minutes) and asserts it succeeds.
+fn hook_script_passes(script: &str, args: &[&Path]) {
+    let out = Command::new("timeout")
+        .arg("180")
+        .arg(PYTHON)
+        .arg(e2e_dir().join(script))
+        .args(args)
         .env(
             "PYTHONPATH",
             Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
@@ -1110,7 +1119,7 @@ fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
         .expect("run /usr/bin/python3");
     assert!(
         out.status.success(),
-        "{}{}",
+        "{script}: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -1128,25 +1137,7 @@ fn the_hook_talks_only_to_a_verified_daemon_within_bounds() {
     let source = work.path().join("train");
     image_folder(&source, 8, 2, 100, 200);
     let mount = TestMount::new(&source, work.path(), &["--sampler", "feed"]);
-    let out = Command::new("timeout")
-        .arg("180")
-        .arg(PYTHON)
-        .arg(e2e_dir().join("hook_channel.py"))
-        .arg(&mount.mnt)
-        .arg(work.path())
-        .env(
-            "PYTHONPATH",
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
-        )
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .output()
-        .expect("run /usr/bin/python3");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    hook_script_passes("hook_channel.py", &[&mount.mnt, work.path()]);
     mount.unmount();
 }
 

@@ -29,7 +29,7 @@
 //! or SOURCE, and a read needs a handle that only an open grants.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -318,8 +318,12 @@ impl Gate {
                     }
                 }
                 let name = Path::new(catalog.name(id));
+                // One call per name, beneath the directory: a name that became a link since
+                // the scan answers for the link, and the stager refuses to copy it anyway.
                 let verdict = match &dir {
-                    Ok(dir) => check_on_source(dir.as_fd(), name, libc::R_OK),
+                    Ok(dir) => {
+                        sys::faccessat2(dir.as_fd(), name, libc::R_OK, libc::AT_SYMLINK_NOFOLLOW)
+                    }
                     Err(e) => Err(io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(0))),
                 };
                 match verdict.map_err(|e| e.raw_os_error()) {
@@ -389,20 +393,7 @@ const BENEATH: u64 = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::R
 /// stagefs mount; it checks search permission on every directory it passes.
 pub(super) fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Result<()> {
     let file = sys::openat2(root, relative, libc::O_PATH, BENEATH)?;
-    // SAFETY: valid fd and an empty C string, as AT_EMPTY_PATH requires.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_faccessat2,
-            file.as_raw_fd(),
-            c"".as_ptr(),
-            mask,
-            libc::AT_EACCESS | libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    match r {
-        0 => Ok(()),
-        _ => Err(io::Error::last_os_error()),
-    }
+    sys::faccessat2(file.as_fd(), Path::new(""), mask, libc::AT_SYMLINK_NOFOLLOW)
 }
 
 #[cfg(test)]
