@@ -360,6 +360,15 @@ fn announcements_drop_files_the_announcer_may_not_read() {
         std::os::unix::fs::PermissionsExt::from_mode(0o700),
     )
     .unwrap();
+    // Links (not samples of the layout): a name in the private directory for a public file,
+    // and a public name for a private file.
+    let link = std::os::unix::fs::symlink;
+    link("../class001/img000005.jpg", private.join("publink.txt")).unwrap();
+    link(
+        "../class003/img000011.jpg",
+        source.join("class000/secretlink.txt"),
+    )
+    .unwrap();
     let mount = nobodys_job_mount(&source, work.path(), "feed");
     let state = |rel: &str| mount.getfattr(&mount.mnt.join(rel), "user.stagefs.state");
     let size = |rel: &str| std::fs::metadata(source.join(rel)).unwrap().len();
@@ -392,6 +401,22 @@ fn announcements_drop_files_the_announcer_may_not_read() {
     // Root's announcement of the same is taken (root may read it).
     assert_eq!(ask(&mount, order(1, None, &[30]))["files"], 1);
     assert_eq!(mount.wait_stat("staged_files", 4), 4);
+    // Through the links neither target is staged: SOURCE refuses nobody both names.
+    let paths = [
+        "class003/publink.txt",
+        "class000/secretlink.txt",
+        "class002/img000006.jpg",
+    ];
+    let replies = replies_as(
+        NOBODY,
+        &mount,
+        json!([{"op": "dataset", "paths": paths}, order(2, Some(0), &[0, 1, 2])]),
+    );
+    assert_eq!(replies, [r#"{"dataset":0,"ok":true}"#, r#"{"ok":true}"#]);
+    assert_eq!(mount.wait_stat("staged_files", 5), 5);
+    for rel in ["class001/img000005.jpg", "class003/img000011.jpg"] {
+        assert_eq!(state(rel), b"remote", "{rel}");
+    }
     mount.unmount();
 }
 
