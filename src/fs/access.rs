@@ -18,7 +18,10 @@
 //!
 //! Decisions are kept for [`DECISION_TTL`] (a revocation on SOURCE reaches the mount within
 //! it): per credential, two bits per catalog id (checked, allowed), for a bounded number of
-//! credentials. Groups are read from `/proc/<pid>/status` on every such open (the request
+//! credentials. What acts on many entries at once for one user (the control channel's
+//! announcements, a directory's staging state) asks [`Gate::readable`]: the credential taken
+//! on once, each directory walked to once, one `faccessat2` per name beneath it (a million
+//! files in about 3 s, then from the decisions). Groups are read from `/proc/<pid>/status` on every such open (the request
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
