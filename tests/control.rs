@@ -281,26 +281,31 @@ fn only_the_owner_root_and_the_job_user_may_control_a_mount() {
     job.unmount();
 }
 
-/// Another user than the mount's owner, root and its job's user can neither make an auto
-/// mount follow their announcements, nor take a fed mount before the job starts, nor move
-/// a mount's epoch; the job's user and the owner can. (Before, any user SOURCE let read the
-/// dataset could do all three.)
+/// Only the mount's owner and root make an auto mount follow announcements or move a
+/// mount's epoch: no other user, not even the job's; and no other user than the job's can
+/// take a fed mount before the job starts. (Before, any user SOURCE let read the dataset
+/// could do all three.)
 #[test]
 fn other_users_cannot_switch_pin_or_move_a_shared_mount() {
     let work = open_workdir();
     let source = dataset(work.path());
-    let auto = TestMount::new(&source, &work.path().join("a"), &["--allow-other"]);
-    let before = auto.stats();
-    let reply = replies_as(NOBODY, &auto, json!([order(0, None, &[0, 1, 2])]));
-    assert!(reply[0].contains("only the mount's owner"), "{reply:?}");
-    let after = auto.stats();
-    assert_eq!(after["sampler"], "auto");
-    assert_eq!(after["prediction"], before["prediction"]);
-    auto.unmount();
+    for (case, options) in [
+        ("a", &["--allow-other"][..]),
+        ("b", &["--allow-other", "--job-user", "nobody"]),
+    ] {
+        let auto = TestMount::new(&source, &work.path().join(case), options);
+        let before = auto.stats();
+        let reply = replies_as(NOBODY, &auto, json!([order(0, None, &[0, 1, 2])]));
+        assert!(reply[0].contains("only the mount's owner"), "{reply:?}");
+        let after = auto.stats();
+        assert_eq!(after["sampler"], "auto");
+        assert_eq!(after["prediction"], before["prediction"]);
+        auto.unmount();
+    }
 
     let fed = TestMount::new(
         &source,
-        &work.path().join("b"),
+        &work.path().join("c"),
         &[
             "--sampler",
             "feed",
@@ -324,7 +329,7 @@ fn other_users_cannot_switch_pin_or_move_a_shared_mount() {
 
     let configured = TestMount::new(
         &source,
-        &work.path().join("c"),
+        &work.path().join("d"),
         &[
             "--sampler",
             "torch-distributed",
@@ -333,12 +338,14 @@ fn other_users_cannot_switch_pin_or_move_a_shared_mount() {
             &OTHER.to_string(),
         ],
     );
-    let reply = replies_as(NOBODY, &configured, json!([{"op": "epoch", "epoch": 5}]));
-    assert!(reply[0].contains("only the mount's owner"), "{reply:?}");
+    for uid in [NOBODY, OTHER] {
+        let reply = replies_as(uid, &configured, json!([{"op": "epoch", "epoch": 5}]));
+        assert!(reply[0].contains("only the mount's owner"), "{reply:?}");
+    }
     assert_eq!(configured.stat("epoch"), 0);
     assert_eq!(
-        replies_as(OTHER, &configured, json!([{"op": "epoch", "epoch": 2}])),
-        [r#"{"ok":true}"#]
+        ask(&configured, json!({"op": "epoch", "epoch": 2}))["ok"],
+        true
     );
     assert_eq!(configured.stat("epoch"), 2);
     configured.unmount();

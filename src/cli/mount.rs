@@ -82,7 +82,7 @@ pub struct MountArgs {
     /// Let other users (e.g. a job running as another uid) use the mount; SOURCE permissions are enforced
     #[arg(long, help_heading = "Mount")]
     pub allow_other: bool,
-    /// With --allow-other: the user (name or uid) whose job may announce its order and move the epoch, besides the mount's owner and root; what it announces is checked against what SOURCE lets that user read
+    /// With --allow-other and --sampler feed: the user (name or uid) whose job announces its order, besides the mount's owner and root; what it announces is checked against what SOURCE lets that user read
     #[arg(long, value_name = "USER", help_heading = "Mount")]
     pub job_user: Option<String>,
     /// Threads answering FUSE requests (parallel DataLoader workers need several)

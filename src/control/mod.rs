@@ -76,6 +76,10 @@ pub enum RequestError {
     #[error("the client hung up before its answer")]
     Gone,
     #[error(
+        "only the mount's owner (uid {0}) and root may {1}; the job's user announces to a mount that follows announcements (--sampler feed)"
+    )]
+    OwnersOnly(u32, &'static str),
+    #[error(
         "this mount has no epochs to move between (--sampler {0}); a fed mount follows the job's announcements"
     )]
     NoEpochs(crate::order::SamplerKind),

@@ -3,13 +3,14 @@
 //! before they reach the stager.
 //!
 //! Who: the mount's owner and root, and on an `--allow-other` mount the one user whose job
-//! the operator named (`--job-user`); nobody else gets past the connection. Those may
-//! announce the job's order (which also makes a mount that predicts or searches its own
-//! order follow the job's) and move the epoch. What the job's user announces is checked
-//! against SOURCE as that user (their uid, gid and groups as the kernel gave them at connect
-//! time): a file they may not read is dropped from the announcement before anything is
-//! staged, so nothing the daemon does (replies, statistics, what is cached) tells them about
-//! it.
+//! the operator named (`--job-user`); nobody else gets past the connection. The owner and
+//! root may announce (which also makes a mount that predicts or searches its own order
+//! follow the job's) and move the epoch; the job's user may only announce, to a mount that
+//! follows announcements already (`--sampler feed`). What the job's user announces is
+//! checked against SOURCE as that user (their uid, gid and groups as the kernel gave them at
+//! connect time): a file they may not read is dropped from the announcement before anything
+//! is staged, so nothing the daemon does (replies, statistics, what is cached) tells them
+//! about it.
 
 use std::path::Path;
 use std::sync::{Arc, Weak};
@@ -163,6 +164,9 @@ impl Session for ControlSession {
                 if rank >= world_size {
                     return Err(RequestError::Rank { rank, world_size });
                 }
+                if !self.privileged && !data.stager.plan().is_fed() {
+                    return Err(self.owners_only("make it follow announcements"));
+                }
                 let files = self.files_of(&data.catalog, dataset, &indices, gone)?;
                 let count = files.len();
                 data.stager.announce(epoch, rank, files, current)?;
@@ -267,6 +271,10 @@ impl ControlSession {
         Some(files)
     }
 
+    fn owners_only(&self, what: &'static str) -> RequestError {
+        RequestError::OwnersOnly(self.mount.owner, what)
+    }
+
     /// How many files a request named, for those who may know.
     fn counted(&self, reply: Reply, files: usize) -> Reply {
         if self.privileged {
@@ -337,6 +345,9 @@ impl ControlSession {
         epoch: u64,
         gone: &dyn Fn() -> bool,
     ) -> Result<Reply, RequestError> {
+        if !self.privileged {
+            return Err(self.owners_only("move its epoch"));
+        }
         let plan = data.stager.plan();
         if !plan.sampler().predicts() || plan.is_fed() {
             return Err(RequestError::NoEpochs(plan.sampler().kind));
