@@ -124,11 +124,21 @@ class Channel:
         self._lock = threading.RLock()
 
     def connect(self):
-        """Opens the connection unless this process has one open already."""
+        """Opens the connection unless this process has one open already that the daemon
+        has not closed (its dataset handles go with it)."""
         # A forked child shares the parent's socket: the replies would interleave.
-        if self._sock is None or self._pid != os.getpid():
+        if self._sock is None or self._pid != os.getpid() or self._stale():
             self._sock = None
             self._connect()
+
+    def _stale(self):
+        """Whether the daemon closed the connection, or sent something unasked, while idle."""
+        poll = select.poll()
+        poll.register(self._sock, select.POLLIN)
+        if not poll.poll(0):
+            return False
+        self.close()
+        return True
 
     def _connect(self):
         owner = mount_owner(self.mountpoint)

@@ -5,7 +5,9 @@ python/). Each case must end in a ChannelError, quickly and in little memory:
 - a server trickling its reply one byte at a time (a per-read timeout never fires);
 - a server answering with hundreds of megabytes and no newline;
 - a socket named by `user.stagefs.control` on a mount that is not a stagefs mount (a tmpfs);
-- a socket of another user than root or the mount's owner, for a real stagefs mount.
+- a socket of another user than root or the mount's owner, for a real stagefs mount;
+
+and a connection the daemon closed while idle is opened again.
 
 Needs only the standard library.
 """
@@ -52,6 +54,22 @@ def serve_once(answer):
 
     threading.Thread(target=run, daemon=True).start()
     return address, accepted
+
+
+def answer_and_close(connections):
+    """Serves `connections` connections on a thread, each answering one request and
+    closing: a daemon that dropped an idle client."""
+    sock, address = listener()
+
+    def run():
+        for _ in range(connections):
+            conn, _ = sock.accept()
+            conn.makefile("rb").readline()
+            conn.sendall(b'{"ok":true,"dataset":0}\n')
+            conn.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return address
 
 
 def expect_refusal(case, ch, why):
@@ -118,6 +136,15 @@ def main(stagefs_mount, work):
     expect_refusal("another user's socket", Channel(stagefs_mount, address), "belongs to uid 65534")
     os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
+
+    # A connection the daemon closed while idle is opened again (its dataset handles reset).
+    ch = Channel(stagefs_mount, answer_and_close(2))
+    ch.request({"op": "dataset", "paths": []})
+    ch.datasets["x"] = 0
+    time.sleep(0.2)
+    assert ch.request({"op": "dataset", "paths": []})["ok"]
+    assert ch.datasets == {}, "handles of the closed connection kept"
+    print("reconnected after the daemon closed an idle connection")
 
     # And the real daemon is still talked to.
     real = mount_of(stagefs_mount)
