@@ -190,24 +190,20 @@ fn serve(stream: UnixStream, peer: Peer, privileged: bool, shared: &Shared) {
     };
     let gone = || sys::hung_up(stream.as_fd());
     loop {
-        let reply = match incoming.next() {
+        // A request's large-request turn ends with its line, before the answer is written.
+        let (reply, go_on) = match incoming.next() {
             Ok(None) => return,
             Ok(Some(line)) => {
-                let reply = match Request::parse(&line.bytes) {
-                    Ok(request) => session.handle(request, &gone),
-                    Err(e) => Err(e),
-                };
-                reply.unwrap_or_else(|e| Reply::error(&e.to_string()))
+                let handled = Request::parse(&line.bytes).and_then(|r| session.handle(r, &gone));
+                (
+                    handled.unwrap_or_else(|e| Reply::error(&e.to_string())),
+                    true,
+                )
             }
-            Err(late) => {
-                let _ = (&stream).write_all(
-                    format!("{}\n", Reply::error(&late.to_string()).to_line()).as_bytes(),
-                );
-                return;
-            }
+            Err(unread) => (Reply::error(&unread.to_string()), false),
         };
-        let line = format!("{}\n", reply.to_line());
-        if (&stream).write_all(line.as_bytes()).is_err() {
+        let written = (&stream).write_all(format!("{}\n", reply.to_line()).as_bytes());
+        if written.is_err() || !go_on {
             return;
         }
     }
