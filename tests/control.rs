@@ -428,8 +428,8 @@ fn announcements_drop_files_the_announcer_may_not_read() {
 }
 
 /// Four users holding every connection they can do not lock the owner out: those who may
-/// not use the mount are refused before they take a slot, and the job's user gets its own
-/// share only. (Before, any user SOURCE let read the dataset held 16, and four of them held
+/// not use the mount are refused before they take a slot (and logged once), and the job's
+/// user gets its own share only. (Before, any user SOURCE let read the dataset held 16, and four of them held
 /// all 64: root's `stagefs epoch` was refused.)
 #[test]
 fn other_users_cannot_lock_the_owner_out() {
@@ -461,6 +461,9 @@ fn other_users_cannot_lock_the_owner_out() {
     let out = stagefs(&["epoch", mount.mnt.to_str().unwrap(), "1"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(mount.stat("epoch"), 1);
+    // 60 refusals, logged once per user: a user connecting in a loop cannot fill the disk.
+    let logged = mount.log_text().matches("control socket: refused").count();
+    assert_eq!(logged, 3, "{}", mount.log_text());
     for (_, mut child) in holders {
         drop(child.stdin.take());
         child.wait().unwrap();

@@ -2,6 +2,7 @@
 //! credentials, a slot per connection, each request read whole within its deadline, and its
 //! answer written back.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
@@ -92,6 +93,35 @@ struct Shared {
     limits: Limits,
     slots: Arc<Mutex<Slots>>,
     large: LargeRequests,
+    /// When each refused user was last logged: a user connecting in a loop must not fill the
+    /// log's disk.
+    refusals_logged: Mutex<HashMap<u32, Instant>>,
+}
+
+/// How often a user's refusals are logged at most.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+/// Users whose last logged refusal is remembered (the oldest is forgotten).
+const REFUSED_USERS_KEPT: usize = 64;
+
+impl Shared {
+    /// Whether to log a refusal of `uid` now.
+    fn log_refusal(&self, uid: u32) -> bool {
+        let now = Instant::now();
+        let mut logged = self.refusals_logged.lock();
+        if logged
+            .get(&uid)
+            .is_some_and(|&at| now.duration_since(at) < REFUSAL_LOG_EVERY)
+        {
+            return false;
+        }
+        if logged.len() >= REFUSED_USERS_KEPT
+            && let Some(oldest) = logged.iter().min_by_key(|(_, at)| **at).map(|(&u, _)| u)
+        {
+            logged.remove(&oldest);
+        }
+        logged.insert(uid, now);
+        true
+    }
 }
 
 fn accept_loop(
@@ -105,6 +135,7 @@ fn accept_loop(
         limits,
         slots: Default::default(),
         large: Default::default(),
+        refusals_logged: Default::default(),
     });
     while !shutdown.load(Ordering::SeqCst) {
         let stream = match listener.accept() {
@@ -130,11 +161,13 @@ fn admit(stream: UnixStream, shared: &Arc<Shared>) {
         Err(e) => return refuse(stream, &format!("cannot tell who is connecting: {e}")),
     };
     if let Some(why) = shared.service.refuse(&peer) {
-        log::warn!(
-            "control socket: refused pid {} (uid {}): {why}",
-            peer.pid,
-            peer.uid
-        );
+        if shared.log_refusal(peer.uid) {
+            log::warn!(
+                "control socket: refused pid {} (uid {}; logged once a minute): {why}",
+                peer.pid,
+                peer.uid
+            );
+        }
         return refuse(stream, &why);
     }
     let privileged = shared.service.privileged(&peer);
