@@ -291,6 +291,126 @@ pub fn readlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OsString> {
     Ok(OsString::from_vec(buf))
 }
 
+/// The credentials of a Unix socket's peer as the kernel recorded them when it connected
+/// (SO_PEERCRED): (pid, uid, gid). Nothing the peer does later changes them.
+pub fn peer_credentials(socket: BorrowedFd<'_>) -> io::Result<(u32, u32, u32)> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket fd and an out buffer of the size passed.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.pid as u32, cred.uid, cred.gid))
+}
+
+/// The supplementary groups of a Unix socket's peer when it connected (SO_PEERGROUPS),
+/// sorted and without duplicates.
+pub fn peer_groups(socket: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    // Linux allows 65536 groups; start small and grow to what the kernel asks for.
+    let mut groups = vec![0u32; 64];
+    loop {
+        let mut len = (groups.len() * 4) as libc::socklen_t;
+        // SAFETY: a valid socket fd and an out buffer of `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let needed = len as usize / 4;
+        match rc {
+            0 => {
+                groups.truncate(needed);
+                groups.sort_unstable();
+                groups.dedup();
+                return Ok(groups);
+            }
+            _ if io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE)
+                && needed > groups.len() =>
+            {
+                groups.resize(needed, 0);
+            }
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
+}
+
+/// Whether the other end of a connected socket has closed it (both directions: a client
+/// that only stopped sending still waits for its answer).
+pub fn hung_up(socket: BorrowedFd<'_>) -> bool {
+    let mut poll = libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, and a zero timeout: it only reports.
+    let rc = unsafe { libc::poll(&mut poll, 1, 0) };
+    rc > 0 && poll.revents & (libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// The uid of the user named `name` in the password database, if there is one.
+pub fn uid_of_user(name: &str) -> Option<u32> {
+    let c = CString::new(name).ok()?;
+    // SAFETY: passwd is plain data, for which all zeroes is a valid value.
+    let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found = std::ptr::null_mut();
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: a valid C string, an out struct, a buffer of the stated length for its strings
+    // and an out pointer; all outlive the call.
+    let rc = unsafe {
+        libc::getpwnam_r(
+            c.as_ptr(),
+            &mut entry,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    (rc == 0 && !found.is_null()).then_some(entry.pw_uid)
+}
+
+/// faccessat2(2) with the caller's effective (file-system) credentials: whether `name` in
+/// `dir` (`dir` itself if empty) allows `mask` (`R_OK`, `X_OK`, ...). `flags` adds to
+/// `AT_EACCESS`, e.g. `AT_SYMLINK_NOFOLLOW`.
+pub fn faccessat2(dir: BorrowedFd<'_>, name: &Path, mask: i32, flags: i32) -> io::Result<()> {
+    let c = c_path(name)?;
+    let empty = if name.as_os_str().is_empty() {
+        libc::AT_EMPTY_PATH
+    } else {
+        0
+    };
+    // SAFETY: a valid directory fd and a NUL-terminated name (empty only with AT_EMPTY_PATH).
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_faccessat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            mask,
+            libc::AT_EACCESS | empty | flags,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

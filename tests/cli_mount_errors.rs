@@ -265,6 +265,21 @@ fn bad_cache_size() {
     );
 }
 
+/// `--job-user` names a user the node knows, on a mount others may use.
+#[test]
+fn bad_job_user() {
+    refuse(
+        standard,
+        &["--allow-other", "--job-user", "no-such-user-here"],
+        &["--job-user: no user no-such-user-here"],
+    );
+    refuse(
+        standard,
+        &["--job-user", "nobody"],
+        &["--job-user needs --allow-other"],
+    );
+}
+
 #[test]
 fn rank_out_of_range() {
     refuse(

@@ -1119,8 +1119,17 @@ fn the_hook_survives_refusals_and_a_dead_daemon() {
 /// loader and sampler generators and `set_epoch` samplers, and the job draws the same.
 #[test]
 fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
-    let out = Command::new(PYTHON)
-        .arg(e2e_dir().join("hook_lookahead.py"))
+    hook_script_passes("hook_lookahead.py", &[]);
+}
+
+/// Runs `tests/e2e/SCRIPT ARGS` with the checkout's hook on PYTHONPATH (a hang fails it after
+/// 3 minutes) and asserts it succeeds.
+fn hook_script_passes(script: &str, args: &[&Path]) {
+    let out = Command::new("timeout")
+        .arg("180")
+        .arg(PYTHON)
+        .arg(e2e_dir().join(script))
+        .args(args)
         .env(
             "PYTHONPATH",
             Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
@@ -1130,10 +1139,26 @@ fn the_hook_announces_next_epochs_exactly_and_draws_nothing_extra() {
         .expect("run /usr/bin/python3");
     assert!(
         out.status.success(),
-        "{}{}",
+        "{script}: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The hook against hostile servers (`tests/e2e/hook_channel.py`): a reply trickled a byte at
+/// a time, a reply of hundreds of megabytes, a look-alike mount carrying a control address,
+/// and another user's socket for a real mount each end in one refusal, quickly and in little
+/// memory; the real daemon is still talked to. Before, the hook waited for ever on the
+/// trickle, buffered the whole reply, and connected to any socket the attribute named.
+#[test]
+fn the_hook_talks_only_to_a_verified_daemon_within_bounds() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let source = work.path().join("train");
+    image_folder(&source, 8, 2, 100, 200);
+    let mount = TestMount::new(&source, work.path(), &["--sampler", "feed"]);
+    hook_script_passes("hook_channel.py", &[&mount.mnt, work.path()]);
+    mount.unmount();
 }
 
 /// Hit ratios `--sampler auto` must reach with a 30% cache: epoch 0 pays for the opens before

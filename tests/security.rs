@@ -380,3 +380,95 @@ fn a_source_link_back_into_the_mount_is_refused_not_waited_on() {
     let (out, _) = run("10", &m.mnt.join("c1/ok.jpg"));
     assert_eq!(out.stdout, b"ok", "{out:?}");
 }
+
+/// `user.stagefs.state` on a directory counts only the files of the directories the caller
+/// may list on SOURCE: nobody sees `c1`'s two files, not `c2`'s, which is 0700 (before, the
+/// root's answer counted all three), and a file's state is refused as its contents are.
+#[test]
+fn state_counts_only_what_the_caller_may_list() {
+    let tmp = open_workdir();
+    let src = dataset(tmp.path());
+    let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
+    let state_as_nobody = |path: &Path| {
+        as_nobody(
+            "getfattr",
+            &[
+                Path::new("--only-values"),
+                Path::new("-n"),
+                Path::new("user.stagefs.state"),
+                path,
+            ],
+        )
+    };
+    let out = state_as_nobody(&m.mnt);
+    assert_eq!(text(&out.stdout), "0/2 cached", "{out:?}");
+    assert_eq!(xattr(&m.mnt, "user.stagefs.state").unwrap(), "0/3 cached");
+    let out = state_as_nobody(&m.mnt.join("c1/secret.jpg"));
+    assert!(
+        !out.status.success() && text(&out.stderr).contains("Permission denied"),
+        "{out:?}"
+    );
+    assert_eq!(
+        text(&state_as_nobody(&m.mnt.join("c1/pub.jpg")).stdout),
+        "remote"
+    );
+}
+
+/// `feed-env` never takes a hook directory for its contents: beside a binary in a
+/// world-writable sticky directory, another user makes `lib/stagefs/python` with the genuine
+/// hook and a `json.py` of their own; the job must not import from there (before, it did: as
+/// root in root's job). A root-owned installation beside the binary is still used.
+#[test]
+fn feed_env_takes_no_hook_directory_another_user_could_have_filled() {
+    let tmp = tempfile::tempdir().unwrap();
+    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let install = |prefix: &Path| {
+        fs::create_dir_all(prefix.join("bin")).unwrap();
+        fs::copy(bin(), prefix.join("bin/stagefs")).unwrap();
+        prefix.join("lib/stagefs/python")
+    };
+    let feed_env = |prefix: &Path| {
+        let home = tempfile::tempdir().unwrap();
+        let out = Command::new(prefix.join("bin/stagefs"))
+            .arg("feed-env")
+            .env("HOME", home.path())
+            .env_remove("XDG_CACHE_HOME")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        text(&out.stdout)
+    };
+    let copy_hook = |user: &str, to: &Path| {
+        let out = as_user(user, &[], "mkdir", &[Path::new("-p"), to]);
+        assert!(out.status.success(), "{out:?}");
+        let out = as_user(user, &[], "cp", &[Path::new("-r"), &checkout.join("."), to]);
+        assert!(out.status.success(), "{out:?}");
+    };
+
+    let shared = tmp.path().join("shared");
+    fs::create_dir(&shared).unwrap();
+    fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+    let planted = install(&shared);
+    copy_hook(NOBODY, &planted);
+    let json = planted.join("json.py");
+    let out = as_nobody(
+        "sh",
+        &[
+            Path::new("-c"),
+            Path::new(&format!("echo 'import os' > {}", json.display())),
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let env = feed_env(&shared);
+    assert!(
+        !env.contains(planted.to_str().unwrap()),
+        "the job would import another user's files: {env}"
+    );
+
+    let installed = tmp.path().join("prefix");
+    let hook = install(&installed);
+    copy_hook("0", &hook);
+    let env = feed_env(&installed);
+    assert!(env.contains(hook.to_str().unwrap()), "{env}");
+}

@@ -8,6 +8,14 @@
 //! installed copy (`install.sh`) or the checkout's `python/` is used when it is the same,
 //! otherwise the files are written once to a per-user directory named by their digest, or,
 //! where that directory cannot be trusted, to a fresh private one.
+//!
+//! Every Python process of the job imports from that directory before the standard library
+//! (a `json.py` there would be everyone's `json`), as root if the job is root's. So a
+//! directory is used by who could have put or change what is in it, never by its contents:
+//! it and every directory above it must belong to root or this user and be writable by
+//! nobody else (a sticky one such as /tmp above it only holds what is ours: others cannot
+//! rename or remove it), and everything in it must belong to root or this user and be
+//! writable by nobody else.
 
 use std::fs;
 use std::io::Write;
@@ -59,7 +67,8 @@ pub fn run(args: FeedEnvArgs) -> Result<()> {
     Ok(())
 }
 
-/// A directory holding exactly this binary's hook.
+/// A directory holding exactly this binary's hook, which only root and this user can have
+/// filled.
 fn hook_dir() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot find the stagefs binary")?;
     let beside = exe.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -68,17 +77,54 @@ fn hook_dir() -> Result<PathBuf> {
         beside.join("../lib/stagefs/python"),
         beside.join("../../python"),
     ] {
-        if holds_hook(&candidate) {
-            return Ok(fs::canonicalize(&candidate).unwrap_or(candidate));
+        if let Ok(dir) = fs::canonicalize(&candidate)
+            && trusted_hook(&dir)
+        {
+            return Ok(dir);
         }
     }
     extract()
+}
+
+/// Whether `dir` (without links) holds this binary's hook, and only what root and this user
+/// put there (see the module's note).
+fn trusted_hook(dir: &Path) -> bool {
+    trusted(dir) && unshared_tree(dir, 0) && holds_hook(dir)
+}
+
+/// Whether everything under `dir` (a trusted directory) is a file or directory of root or
+/// this user that nobody else may write. Hook directories are small: a deep or large tree is
+/// not one.
+fn unshared_tree(dir: &Path, depth: usize) -> bool {
+    const MAX_DEPTH: usize = 3;
+    const MAX_ENTRIES: usize = 256;
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
+    let mut seen = 0;
+    entries.into_iter().all(|entry| {
+        seen += 1;
+        let Ok(entry) = entry else { return false };
+        let Ok(m) = entry.path().symlink_metadata() else {
+            return false;
+        };
+        seen <= MAX_ENTRIES
+            && owned_unshared(&m)
+            && (m.is_file()
+                || (m.is_dir() && depth < MAX_DEPTH && unshared_tree(&entry.path(), depth + 1)))
+    })
 }
 
 fn holds_hook(dir: &Path) -> bool {
     HOOK_FILES
         .iter()
         .all(|(name, text)| fs::read(dir.join(name)).is_ok_and(|b| b == text.as_bytes()))
+}
+
+/// Whether `m` belongs to root or this user, and only its owner may write it.
+fn owned_unshared(m: &fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    (m.uid() == crate::sys::euid() || m.uid() == 0) && m.mode() & 0o022 == 0
 }
 
 /// `$XDG_CACHE_HOME/stagefs`, else `~/.cache/stagefs`; None without either.
@@ -115,20 +161,18 @@ fn extract() -> Result<PathBuf> {
 
 /// Whether `path` and every directory above it are real directories (not links), owned by
 /// root or this user, and writable by no one else, except sticky ones such as /tmp above it
-/// (there others cannot rename or remove what is ours).
+/// (there others cannot rename or remove what is ours, and the next directory down must be
+/// ours too).
 fn trusted(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let me = crate::sys::euid();
     let Ok(path) = std::path::absolute(path) else {
         return false;
     };
     path.ancestors().enumerate().all(|(depth, dir)| {
         fs::symlink_metadata(dir).is_ok_and(|m| {
-            let others_write = m.mode() & 0o022 != 0;
+            let ours = m.uid() == crate::sys::euid() || m.uid() == 0;
             let sticky = m.mode() & libc::S_ISVTX != 0;
-            m.is_dir()
-                && (m.uid() == me || m.uid() == 0)
-                && (!others_write || (depth > 0 && sticky))
+            m.is_dir() && ours && (m.mode() & 0o022 == 0 || (depth > 0 && sticky))
         })
     })
 }
@@ -146,7 +190,7 @@ fn extract_into(base: &Path) -> Result<PathBuf> {
         .map(|b| format!("{b:02x}"))
         .collect();
     let dir = base.join(format!("python-{digest}"));
-    if trusted(&dir.join("stagefs_feed")) && holds_hook(&dir) {
+    if trusted_hook(&dir) {
         return Ok(dir);
     }
     let temp = tempfile::Builder::new()
@@ -158,7 +202,7 @@ fn extract_into(base: &Path) -> Result<PathBuf> {
     if let Err(e) = fs::rename(&staged, &dir) {
         let _ = fs::remove_dir_all(&staged);
         // Another `feed-env` won the race with the same files.
-        if !(trusted(&dir.join("stagefs_feed")) && holds_hook(&dir)) {
+        if !trusted_hook(&dir) {
             return Err(e).with_context(|| format!("cannot create {}", dir.display()));
         }
     }

@@ -82,6 +82,9 @@ pub struct MountArgs {
     /// Let other users (e.g. a job running as another uid) use the mount; SOURCE permissions are enforced
     #[arg(long, help_heading = "Mount")]
     pub allow_other: bool,
+    /// With --allow-other and --sampler feed: the user (name or uid) whose job announces its order, besides the mount's owner and root; what it announces is checked against what SOURCE lets that user read
+    #[arg(long, value_name = "USER", help_heading = "Mount")]
+    pub job_user: Option<String>,
     /// Threads answering FUSE requests (parallel DataLoader workers need several)
     #[arg(long, default_value_t = 8, value_name = "N", help_heading = "Mount", value_parser = at_least_one())]
     pub fuse_threads: usize,
@@ -123,6 +126,25 @@ pub enum MountArgsError {
         "--epoch does not apply to --sampler auto (the epoch is found from the job's opens): remove it, or name the sampler with --sampler"
     )]
     EpochWithAuto,
+    #[error("--job-user: no user {0} on this node")]
+    UnknownUser(String),
+    #[error(
+        "--job-user needs --allow-other: without it no other user can read the mount, nor use its control channel"
+    )]
+    JobUserWithoutAllowOther,
+}
+
+/// `--job-user`'s uid: a user name, or a number (a uid the node need not know by name).
+fn job_user(args: &MountArgs) -> Result<Option<u32>, MountArgsError> {
+    let Some(user) = &args.job_user else {
+        return Ok(None);
+    };
+    if !args.allow_other {
+        return Err(MountArgsError::JobUserWithoutAllowOther);
+    }
+    let uid = (user.parse().ok()).or_else(|| crate::sys::uid_of_user(user));
+    uid.map(Some)
+        .ok_or_else(|| MountArgsError::UnknownUser(user.clone()))
 }
 
 impl TryFrom<&MountArgs> for MountConfig {
@@ -165,6 +187,7 @@ impl TryFrom<&MountArgs> for MountConfig {
             window: args.window,
             foreground: args.foreground,
             allow_other: args.allow_other,
+            job_user: job_user(args)?,
             fuse_threads: args.fuse_threads,
             scan_threads: args.scan_threads,
             passthrough: !args.no_passthrough,

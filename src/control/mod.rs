@@ -6,45 +6,41 @@
 //! be reached by them; in a shared directory it could be replaced. Its name is random and
 //! published only through the mount (`user.stagefs.control` on the root), so a client finds
 //! the daemon of the mount it reads, never a look-alike. Who may talk is decided per
-//! connection from the peer's kernel-checked credentials (SO_PEERCRED), before a byte is read.
+//! connection from the peer's kernel-checked credentials (SO_PEERCRED, SO_PEERGROUPS), before
+//! a byte is read; every request is then decided with those credentials ([`service`]).
+//!
+//! Nobody can hold the channel for long or for everyone ([`limits`]): connections are
+//! bounded per user, with a reserve only the owner and root may take; a request must arrive
+//! whole within a deadline; large requests are read one at a time per class of user; and the
+//! work a request starts stops when its client hangs up.
 //!
 //! Messages are JSON lines, each answered by one line: `{"ok":true,...}` or
 //! `{"ok":false,"error":"..."}`. A malformed or refused request changes nothing.
 
+mod limits;
 mod protocol;
+mod server;
 mod service;
 
+pub use limits::Limits;
 pub use protocol::{Reply, Request};
-pub use service::{AdmitOther, JobPin, MAX_ANNOUNCED, MAX_WORLD_SIZE, MountControl};
+pub use server::ControlServer;
+pub use service::{MAX_ANNOUNCED, MAX_WORLD_SIZE, MountControl};
 
-use std::collections::HashMap;
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::io::{self, BufRead, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use parking_lot::Mutex;
-use std::thread::JoinHandle;
+use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
 
 /// Longest request line: an announcement of ~14 M indices (ImageNet-21k), or the paths of
 /// ~2 M files, in JSON. Larger datasets announce indices through the mount's layout instead
 /// of paths. Parsed, such a line takes up to 4 times its size.
 pub const MAX_REQUEST_BYTES: u64 = 128 << 20;
-/// Requests longer than this are parsed and handled one at a time, so that many clients at
-/// once cannot make the daemon hold many parsed maximal requests.
+/// Requests longer than this are read and handled one at a time per class of user (see
+/// [`limits`]).
 const LARGE_REQUEST_BYTES: usize = 1 << 20;
-/// Connections served at once: every rank of a node plus a few `stagefs` commands...
-const MAX_CONNECTIONS: usize = 64;
-/// ...and of those, the most one user may hold, so no one user shuts the others out.
-const MAX_CONNECTIONS_PER_USER: usize = 16;
-/// A client that stops sending mid-request, or stops reading replies, is dropped after this
-/// long.
-const IO_TIMEOUT: Duration = Duration::from_secs(120);
-/// How often the accept loop checks for shutdown.
-const ACCEPT_POLL: Duration = Duration::from_millis(200);
+/// How long [`Client`] waits for a reply: a far epoch may take minutes to plan.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -73,14 +69,20 @@ pub enum RequestError {
     NoFiles(usize),
     #[error("root: {0}")]
     Root(#[from] crate::catalog::LayoutError),
+    #[error("root: not a dataset on this mount")]
+    NotADataset,
     #[error("the mount is going away")]
     Unmounting,
     #[error(transparent)]
     Announce(#[from] crate::stager::AnnounceError),
     #[error("the world size {0} is larger than any job's (at most {MAX_WORLD_SIZE})")]
     WorldSize(u32),
-    #[error("this mount follows the announcements of uid {0}'s job while it is connected")]
-    OtherJob(u32),
+    #[error("the client hung up before its answer")]
+    Gone,
+    #[error(
+        "only the mount's owner (uid {0}) and root may {1}; the job's user announces to a mount that follows announcements (--sampler feed)"
+    )]
+    OwnersOnly(u32, &'static str),
     #[error(
         "this mount has no epochs to move between (--sampler {0}); a fed mount follows the job's announcements"
     )]
@@ -90,258 +92,31 @@ pub enum RequestError {
 }
 
 /// Who is on the other end of a connection, as the kernel reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Peer {
     pub pid: u32,
     pub uid: u32,
     pub gid: u32,
+    /// Supplementary groups, sorted.
+    pub groups: Vec<u32>,
 }
 
 /// What serves the requests of one connection (its state, e.g. registered datasets, lives as
 /// long as the connection).
 pub trait Session: Send {
-    fn handle(&mut self, request: Request) -> Result<Reply, RequestError>;
+    /// `gone` tells whether the client has hung up: work on its behalf stops when it has.
+    fn handle(&mut self, request: Request, gone: &dyn Fn() -> bool) -> Result<Reply, RequestError>;
 }
 
 /// The daemon's side: who may connect, and a session for each connection admitted.
 pub trait Service: Send + Sync + 'static {
-    /// Why `peer` may not use this mount, if it may not.
-    fn refuse(&self, peer: Peer) -> Option<String>;
-    fn session(&self, peer: Peer) -> Box<dyn Session>;
-}
-
-/// The listening socket and its accept thread; dropped, it stops accepting.
-pub struct ControlServer {
-    address: String,
-    shutdown: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl ControlServer {
-    /// Binds a fresh abstract socket and serves it on a thread named `control`.
-    pub fn start(service: Arc<dyn Service>) -> Result<ControlServer, ControlError> {
-        let (listener, address) = bind_random()?;
-        listener.set_nonblocking(true).map_err(ControlError::Bind)?;
-        let shutdown = Arc::new(AtomicBool::new(false));
-        let stop = shutdown.clone();
-        let thread = std::thread::Builder::new()
-            .name("control".into())
-            .spawn(move || accept_loop(listener, service, stop))
-            .map_err(ControlError::Bind)?;
-        Ok(ControlServer {
-            address,
-            shutdown,
-            thread: Some(thread),
-        })
-    }
-
-    /// The address clients connect to, `@` standing for the abstract namespace's NUL.
-    pub fn address(&self) -> &str {
-        &self.address
-    }
-}
-
-impl Drop for ControlServer {
-    fn drop(&mut self) {
-        self.shutdown.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// A random name no one can have bound in advance to intercept clients (they learn the name
-/// from the mount), retried on the unlikely collision.
-fn bind_random() -> Result<(UnixListener, String), ControlError> {
-    let mut last = None;
-    for _ in 0..8 {
-        let mut random = [0u8; 12];
-        getrandom(&mut random).map_err(ControlError::Bind)?;
-        let name: String = random.iter().map(|b| format!("{b:02x}")).collect();
-        let name = format!("stagefs/{}/{name}", std::process::id());
-        let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(ControlError::Bind)?;
-        match UnixListener::bind_addr(&addr) {
-            Ok(l) => return Ok((l, format!("@{name}"))),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(ControlError::Bind(last.expect("tried at least once")))
-}
-
-fn getrandom(buf: &mut [u8]) -> io::Result<()> {
-    let mut file = std::fs::File::open("/dev/urandom")?;
-    file.read_exact(buf)
-}
-
-/// Connections open, in all and per user.
-#[derive(Default)]
-struct Slots {
-    per_user: HashMap<u32, usize>,
-    total: usize,
-}
-
-/// One connection's slot, given back when the connection ends.
-struct Slot {
-    slots: Arc<Mutex<Slots>>,
-    uid: u32,
-}
-
-impl Slot {
-    fn take(slots: &Arc<Mutex<Slots>>, uid: u32) -> Option<Slot> {
-        let mut s = slots.lock();
-        let mine = s.per_user.get(&uid).copied().unwrap_or(0);
-        if s.total >= MAX_CONNECTIONS || mine >= MAX_CONNECTIONS_PER_USER {
-            return None;
-        }
-        s.total += 1;
-        *s.per_user.entry(uid).or_default() += 1;
-        Some(Slot {
-            slots: slots.clone(),
-            uid,
-        })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut s = self.slots.lock();
-        s.total -= 1;
-        if let Some(n) = s.per_user.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                s.per_user.remove(&self.uid);
-            }
-        }
-    }
-}
-
-fn accept_loop(listener: UnixListener, service: Arc<dyn Service>, shutdown: Arc<AtomicBool>) {
-    let slots = Arc::new(Mutex::new(Slots::default()));
-    let large = Arc::new(Mutex::new(()));
-    while !shutdown.load(Ordering::SeqCst) {
-        let stream = match listener.accept() {
-            Ok((stream, _)) => stream,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-            Err(e) => {
-                log::warn!("control socket: {e}");
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-        };
-        let peer = match peer_of(&stream) {
-            Ok(p) => p,
-            Err(e) => {
-                refuse(stream, &format!("cannot tell who is connecting: {e}"));
-                continue;
-            }
-        };
-        let Some(slot) = Slot::take(&slots, peer.uid) else {
-            refuse(stream, "too many connections to this mount; try again");
-            continue;
-        };
-        let (service, large) = (service.clone(), large.clone());
-        // The slot goes back when the thread ends, or at once if it cannot start.
-        let spawned = std::thread::Builder::new()
-            .name("control-conn".into())
-            .spawn(move || {
-                serve(stream, peer, &*service, &large);
-                drop(slot);
-            });
-        if let Err(e) = spawned {
-            log::warn!("control socket: cannot start a connection thread: {e}");
-        }
-    }
-}
-
-fn refuse(mut stream: UnixStream, why: &str) {
-    let _ = stream.set_nonblocking(false);
-    let _ = writeln!(stream, "{}", Reply::error(why).to_line());
-}
-
-/// The peer's credentials as the kernel recorded them at connect time.
-fn peer_of(stream: &UnixStream) -> io::Result<Peer> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket fd and an out buffer of the size passed.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(Peer {
-        pid: cred.pid as u32,
-        uid: cred.uid,
-        gid: cred.gid,
-    })
-}
-
-fn serve(stream: UnixStream, peer: Peer, service: &dyn Service, large: &Mutex<()>) {
-    let timeouts = stream.set_nonblocking(false).is_ok()
-        && stream.set_read_timeout(Some(IO_TIMEOUT)).is_ok()
-        && stream.set_write_timeout(Some(IO_TIMEOUT)).is_ok();
-    if !timeouts {
-        return;
-    }
-    if let Some(why) = service.refuse(peer) {
-        log::warn!(
-            "control socket: refused pid {} (uid {}): {why}",
-            peer.pid,
-            peer.uid
-        );
-        return refuse(stream, &why);
-    }
-    let mut session = service.session(peer);
-    let Ok(mut writer) = stream.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(stream);
-    let mut line = Vec::new();
-    loop {
-        line.clear();
-        let read = (&mut reader)
-            .take(MAX_REQUEST_BYTES + 1)
-            .read_until(b'\n', &mut line);
-        let reply = match read {
-            Ok(0) | Err(_) => return,
-            Ok(n) if n as u64 > MAX_REQUEST_BYTES => {
-                let why = format!(
-                    "request longer than {} MiB; announce indices (the mount's layout) instead of paths",
-                    MAX_REQUEST_BYTES >> 20
-                );
-                let _ = writeln!(writer, "{}", Reply::error(&why).to_line());
-                return;
-            }
-            Ok(n) => {
-                let _one_at_a_time = (n > LARGE_REQUEST_BYTES).then(|| large.lock());
-                let reply = match Request::parse(&line) {
-                    Ok(request) => session
-                        .handle(request)
-                        .unwrap_or_else(|e| Reply::error(&e.to_string())),
-                    Err(e) => Reply::error(&e.to_string()),
-                };
-                // A large request's buffer is not kept for the rest of the connection.
-                line.shrink_to(LARGE_REQUEST_BYTES);
-                reply
-            }
-        };
-        if writeln!(writer, "{}", reply.to_line()).is_err() {
-            return;
-        }
-    }
+    /// Why `peer` may not use this mount, if it may not: from the credentials alone, at once
+    /// (it is decided before the connection takes a slot).
+    fn refuse(&self, peer: &Peer) -> Option<String>;
+    /// Whether `peer` may use the connections and the large request kept for the mount's
+    /// owner and root.
+    fn privileged(&self, peer: &Peer) -> bool;
+    fn session(self: std::sync::Arc<Self>, peer: Peer) -> Box<dyn Session>;
 }
 
 /// A connection to a mount's control channel (what `stagefs epoch` and the tests use; the
@@ -359,7 +134,7 @@ impl Client {
             None => SocketAddr::from_pathname(address)?,
         };
         let stream = UnixStream::connect_addr(&addr)?;
-        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         let reader = BufReader::new(stream.try_clone()?);
         Ok(Client { stream, reader })
     }

@@ -1,14 +1,27 @@
-//! What a mount's control channel does: who may use it, and announcements and epoch changes
-//! checked against the catalog before they reach the stager.
+//! What a mount's control channel does, decided with the caller's credentials: who may use it,
+//! and announcements and epoch changes checked against the catalog and SOURCE's permissions
+//! before they reach the stager.
+//!
+//! Who: the mount's owner and root, and on an `--allow-other` mount the one user whose job
+//! the operator named (`--job-user`); nobody else gets past the connection. The owner and
+//! root may announce (which also makes a mount that predicts or searches its own order
+//! follow the job's) and move the epoch; the job's user may only announce, to a mount that
+//! follows announcements already (`--sampler feed`). What the job's user announces is
+//! checked against SOURCE as that user (their uid, gid and groups as the kernel gave them at
+//! connect time): a file they may not read is dropped from the announcement before anything
+//! is staged, so nothing the daemon does (replies, statistics, what is cached) tells them
+//! about it.
 
 use std::path::Path;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::limits::Held;
 use super::{Peer, Reply, Request, RequestError, Service, Session};
-use crate::catalog::{Datasets, FileId, Kind, ROOT};
-use crate::fs::MountedDataset;
+use crate::catalog::{Catalog, Datasets, FileId, Kind, MaybeFile, ROOT};
+use crate::fs::{Credential, Gate, MountedDataset};
 use crate::plan::StreamKey;
 
 /// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
@@ -16,126 +29,135 @@ use crate::plan::StreamKey;
 pub const MAX_ANNOUNCED: usize = 1 << 26;
 /// Datasets one connection may register (a job has a train and a validation set, or a few)...
 const MAX_DATASETS: usize = 64;
-/// ...and the files they may list together: what one connection can make the daemon hold.
+/// ...and the entries they may list together: what one connection of the owner or root can
+/// make the daemon hold.
 const MAX_REGISTERED: usize = MAX_ANNOUNCED;
+/// What all connections of the job's user may register together: every rank of a node (16)
+/// registering each file of the dataset once, and at least this much for small datasets.
+const MIN_REGISTERED_PER_USER: usize = 1 << 20;
+const RANKS_PER_NODE: usize = 16;
 /// Largest world size taken: the most ranks `--ranks` accepts.
 pub const MAX_WORLD_SIZE: u32 = 1 << 16;
-
-/// Decides whether a user other than the mount's owner and root may use the channel.
-pub type AdmitOther = Box<dyn Fn(Peer) -> Result<(), String> + Send + Sync>;
+/// How often a request waiting for another's far epoch checks that its client is still there.
+const EPOCH_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// The running mount, as its control channel sees it.
 pub struct MountControl {
     /// Weak: a client holding its connection open must not keep an unmounted dataset (and
     /// its stager's threads) alive.
-    pub data: Weak<MountedDataset>,
+    data: Weak<MountedDataset>,
     /// The layouts indices are announced in.
-    pub datasets: Arc<Datasets>,
+    datasets: Arc<Datasets>,
     /// The mount's owner: the daemon's user.
-    pub owner: u32,
-    /// For an `--allow-other` mount, whether another user may (None: nobody else).
-    pub admit_other: Option<AdmitOther>,
-    /// The job the mount follows (see [`JobPin`]).
-    pub job: Arc<Mutex<JobPin>>,
+    owner: u32,
+    /// The user whose job may use the mount besides the owner and root (`--job-user`).
+    job_user: Option<u32>,
+    /// SOURCE's permissions, asked as the job's user.
+    gate: Gate,
+    /// Entries the job's user's connections registered, within their budget.
+    held: Held,
+    /// Epochs are planned one at a time: a far one replays minutes of random draws.
+    planning: Mutex<()>,
 }
 
-/// Which user's job the announcements come from. On an `--allow-other` mount several users
-/// may connect; once one announces, the others' announcements are refused for as long as that
-/// user has a connection that announced open, so nobody can steer another user's staging.
-/// The mount's owner and root are never refused.
-#[derive(Default)]
-pub struct JobPin {
-    uid: Option<u32>,
-    connections: usize,
-}
-
-impl Service for MountControl {
-    fn refuse(&self, peer: Peer) -> Option<String> {
-        if peer.uid == 0 || peer.uid == self.owner {
-            return None;
-        }
-        match &self.admit_other {
-            Some(admit) => admit(peer).err(),
-            None => Some(format!(
-                "only the mount's owner (uid {}) and root may control it",
-                self.owner
-            )),
+impl MountControl {
+    pub fn new(
+        data: &Arc<MountedDataset>,
+        datasets: Arc<Datasets>,
+        owner: u32,
+        job_user: Option<u32>,
+    ) -> MountControl {
+        let files = usize::try_from(data.catalog.file_count()).unwrap_or(usize::MAX);
+        let budget = files
+            .saturating_mul(RANKS_PER_NODE)
+            .clamp(MIN_REGISTERED_PER_USER, MAX_REGISTERED);
+        MountControl {
+            gate: Gate::new(data.source_root.clone(), data.catalog.len()),
+            data: Arc::downgrade(data),
+            datasets,
+            owner,
+            job_user,
+            held: Held::new(budget),
+            planning: Mutex::new(()),
         }
     }
 
-    fn session(&self, peer: Peer) -> Box<dyn Session> {
+    fn is_privileged(&self, uid: u32) -> bool {
+        uid == 0 || uid == self.owner
+    }
+}
+
+impl Service for MountControl {
+    fn refuse(&self, peer: &Peer) -> Option<String> {
+        if self.is_privileged(peer.uid) || self.job_user == Some(peer.uid) {
+            return None;
+        }
+        Some(match self.job_user {
+            Some(job) => format!(
+                "only the mount's owner (uid {}), root and its job's user (uid {job}) may control it",
+                self.owner
+            ),
+            None => format!(
+                "only the mount's owner (uid {}) and root may control it (a shared mount names its job's user with --job-user)",
+                self.owner
+            ),
+        })
+    }
+
+    fn privileged(&self, peer: &Peer) -> bool {
+        self.is_privileged(peer.uid)
+    }
+
+    fn session(self: Arc<Self>, peer: Peer) -> Box<dyn Session> {
         Box::new(ControlSession {
-            data: self.data.clone(),
-            datasets: self.datasets.clone(),
-            peer,
-            privileged: peer.uid == 0 || peer.uid == self.owner,
-            job: self.job.clone(),
-            pinned: false,
+            privileged: self.is_privileged(peer.uid),
+            credential: Credential {
+                uid: peer.uid,
+                gid: peer.gid,
+                groups: peer.groups,
+            },
+            mount: self,
             registrations: Vec::new(),
             registered: 0,
         })
     }
 }
 
-/// A dataset the job registered: the file each of its indices reads, if it is on this mount,
-/// and the directory holding them all (what its stream is called).
+/// A dataset the job registered: the file each of its indices reads, if it is on this mount
+/// and the peer may read it, and the directory holding them all (what its stream is called).
 struct Registered {
-    files: Vec<Option<FileId>>,
+    files: Vec<MaybeFile>,
     root: FileId,
 }
 
 struct ControlSession {
-    data: Weak<MountedDataset>,
-    datasets: Arc<Datasets>,
-    peer: Peer,
-    /// The mount's owner or root: told how many paths are files (others could otherwise probe
-    /// for names in directories SOURCE does not let them list), never refused as another job.
+    mount: Arc<MountControl>,
+    /// The peer as SOURCE's permission checks see it.
+    credential: Credential,
+    /// The mount's owner or root: told how many paths are files, and not held to the job
+    /// user's budget or SOURCE's permissions (the daemon reads as the owner).
     privileged: bool,
-    job: Arc<Mutex<JobPin>>,
-    /// This connection holds the job pin.
-    pinned: bool,
     /// Registered datasets.
     registrations: Vec<Registered>,
     /// Their entries together.
     registered: usize,
 }
 
-impl ControlSession {
-    /// Refuses an announcement from another user's job than the one the mount follows.
-    fn pin_job(&mut self) -> Result<(), RequestError> {
-        if self.privileged || self.pinned {
-            return Ok(());
-        }
-        let mut job = self.job.lock();
-        match job.uid {
-            Some(uid) if uid != self.peer.uid => Err(RequestError::OtherJob(uid)),
-            _ => {
-                job.uid = Some(self.peer.uid);
-                job.connections += 1;
-                self.pinned = true;
-                Ok(())
-            }
-        }
-    }
-}
-
 impl Drop for ControlSession {
     fn drop(&mut self) {
-        if self.pinned {
-            let mut job = self.job.lock();
-            job.connections -= 1;
-            if job.connections == 0 {
-                job.uid = None;
-            }
+        if !self.privileged {
+            self.mount
+                .held
+                .give_back(self.credential.uid, self.registered);
         }
     }
 }
 
 impl Session for ControlSession {
-    fn handle(&mut self, request: Request) -> Result<Reply, RequestError> {
-        let data = self.data.upgrade().ok_or(RequestError::Unmounting)?;
+    fn handle(&mut self, request: Request, gone: &dyn Fn() -> bool) -> Result<Reply, RequestError> {
+        let data = self.mount.data.upgrade().ok_or(RequestError::Unmounting)?;
         match request {
-            Request::Dataset { paths } => self.register(&data, paths),
+            Request::Dataset { paths } => self.register(&data, paths, gone),
             Request::Order {
                 epoch,
                 rank,
@@ -152,24 +174,19 @@ impl Session for ControlSession {
                 if rank >= world_size {
                     return Err(RequestError::Rank { rank, world_size });
                 }
-                self.pin_job()?;
-                let (files, name) = self.files_of(dataset, root.as_deref(), &indices)?;
+                if !self.privileged && !data.stager.plan().is_fed() {
+                    return Err(self.owners_only("make it follow announcements"));
+                }
+                let (files, name) =
+                    self.files_of(&data.catalog, dataset, root.as_deref(), &indices, gone)?;
                 let count = files.len();
                 let stream = StreamKey { name, shuffled };
                 data.stager.announce(&stream, epoch, rank, files, current)?;
                 Ok(self.counted(Reply::ok(), count))
             }
+            Request::Epoch { epoch } => self.move_epoch(&data, epoch, gone),
             Request::Unmapped { dataset } => {
                 data.stager.note_unmapped(&dataset);
-                Ok(Reply::ok())
-            }
-            Request::Epoch { epoch } => {
-                let plan = data.stager.plan();
-                if !plan.sampler().predicts() || plan.is_fed() {
-                    return Err(RequestError::NoEpochs(plan.sampler().kind));
-                }
-                plan.check_epoch_reachable(epoch)?;
-                data.stager.set_epoch(epoch);
                 Ok(Reply::ok())
             }
         }
@@ -181,6 +198,7 @@ impl ControlSession {
         &mut self,
         data: &MountedDataset,
         paths: Vec<Option<String>>,
+        gone: &dyn Fn() -> bool,
     ) -> Result<Reply, RequestError> {
         if self.registrations.len() >= MAX_DATASETS {
             return Err(RequestError::TooMany {
@@ -188,31 +206,95 @@ impl ControlSession {
                 max: MAX_DATASETS,
             });
         }
-        if self.registered + paths.len() > MAX_REGISTERED {
+        self.hold(paths.len())?;
+        let files = self.readable_files(&data.catalog, &paths, gone);
+        let Some(files) = files else {
+            self.release(paths.len());
+            return Err(RequestError::Gone);
+        };
+        let found = files.iter().filter(|f| f.get().is_some()).count();
+        if found == 0 && !paths.is_empty() && self.privileged {
+            self.release(paths.len());
+            return Err(RequestError::NoFiles(paths.len()));
+        }
+        let catalog = &data.catalog;
+        let root = (files.iter())
+            .filter_map(|f| f.get())
+            .map(|f| catalog.entry(f).map_or(ROOT, |e| e.parent))
+            .reduce(|a, b| catalog.common_ancestor(a, b))
+            .unwrap_or(ROOT);
+        self.registrations.push(Registered { files, root });
+        let reply = Reply::ok().with("dataset", self.registrations.len() - 1);
+        Ok(self.counted(reply, found))
+    }
+
+    /// Counts `n` more registered entries, within this connection's limit and, for the job's
+    /// user, their budget over all their connections.
+    fn hold(&mut self, n: usize) -> Result<(), RequestError> {
+        if self.registered + n > MAX_REGISTERED {
             return Err(RequestError::TooMany {
                 what: "paths registered on one connection",
                 max: MAX_REGISTERED,
             });
         }
-        let files: Vec<Option<FileId>> = paths
-            .iter()
-            .map(|p| p.as_deref().and_then(|p| file_at(data, p)))
-            .collect();
-        let found = files.iter().flatten().count();
-        if found == 0 && !paths.is_empty() && self.privileged {
-            return Err(RequestError::NoFiles(paths.len()));
+        if !self.privileged && !self.mount.held.take(self.credential.uid, n) {
+            return Err(RequestError::TooMany {
+                what: "paths registered by one user",
+                max: self.mount.held.budget(),
+            });
         }
-        let catalog = &data.catalog;
-        let root = files
-            .iter()
-            .flatten()
-            .map(|&f| catalog.entry(f).map_or(ROOT, |e| e.parent))
-            .reduce(|a, b| catalog.common_ancestor(a, b))
-            .unwrap_or(ROOT);
-        self.registered += files.len();
-        self.registrations.push(Registered { files, root });
-        let reply = Reply::ok().with("dataset", self.registrations.len() - 1);
-        Ok(self.counted(reply, found))
+        self.registered += n;
+        Ok(())
+    }
+
+    fn release(&mut self, n: usize) {
+        self.registered -= n;
+        if !self.privileged {
+            self.mount.held.give_back(self.credential.uid, n);
+        }
+    }
+
+    /// The file each of `paths` names, where it is one on this mount that the peer may read;
+    /// None if the client left meanwhile.
+    fn readable_files(
+        &self,
+        catalog: &Catalog,
+        paths: &[Option<String>],
+        gone: &dyn Fn() -> bool,
+    ) -> Option<Vec<MaybeFile>> {
+        let mut files: Vec<MaybeFile> = (paths.iter())
+            .map(|p| MaybeFile::new(p.as_deref().and_then(|p| file_at(catalog, p))))
+            .collect();
+        if self.privileged {
+            return Some(files);
+        }
+        let ids: Vec<FileId> = files.iter().filter_map(|f| f.get()).collect();
+        let gate = &self.mount.gate;
+        let readable = gate.readable(&self.credential, &ids, catalog, &|| !gone())?;
+        // A name through a link is read through the link's directories too.
+        let linked: Vec<(usize, &Path)> = (files.iter().zip(paths))
+            .enumerate()
+            .filter_map(|(i, (f, p))| Some((i, Path::new(p.as_deref()?), f.get()?)))
+            .filter(|&(_, named, id)| named != catalog.relative_path(id))
+            .map(|(i, named, _)| (i, named))
+            .collect();
+        let named: Vec<&Path> = linked.iter().map(|&(_, p)| p).collect();
+        let named_ok = gate.named_readable(&self.credential, &named);
+        for (&(i, _), ok) in linked.iter().zip(named_ok) {
+            if !ok {
+                files[i] = MaybeFile::new(None);
+            }
+        }
+        for f in &mut files {
+            if f.get().is_some_and(|id| !readable.allows(id)) {
+                *f = MaybeFile::new(None);
+            }
+        }
+        Some(files)
+    }
+
+    fn owners_only(&self, what: &'static str) -> RequestError {
+        RequestError::OwnersOnly(self.mount.owner, what)
     }
 
     /// How many files a request named, for those who may know.
@@ -225,14 +307,16 @@ impl ControlSession {
     }
 
     /// The files `indices` read, in order, through a registered dataset or the mount's layout
-    /// of the dataset at `root`, and the name of the stream they are (the dataset's directory,
-    /// `root` if the job gave one). Indices whose file is not on the mount are left out (the
-    /// job reads them elsewhere).
+    /// of the dataset at `root`, and the name of the stream they are (the dataset's
+    /// directory, `root` if the job gave one). Indices whose file is not on the mount, or that
+    /// the peer may not read, are left out (the job reads them elsewhere, or not at all).
     fn files_of(
         &self,
+        catalog: &Catalog,
         dataset: Option<u64>,
         root: Option<&str>,
         indices: &[u64],
+        gone: &dyn Fn() -> bool,
     ) -> Result<(Vec<FileId>, String), RequestError> {
         if indices.len() > MAX_ANNOUNCED {
             return Err(RequestError::TooMany {
@@ -240,42 +324,96 @@ impl ControlSession {
                 max: MAX_ANNOUNCED,
             });
         }
-        let catalog = self.datasets.catalog();
-        match dataset {
-            Some(handle) => {
-                let registered = usize::try_from(handle)
-                    .ok()
-                    .and_then(|h| self.registrations.get(h))
-                    .ok_or(RequestError::NoDataset(handle))?;
-                let files = &registered.files;
-                check_range(indices, files.len(), "the registered dataset")?;
-                let name = root.map_or_else(
-                    || crate::catalog::dataset_name(catalog, registered.root),
-                    str::to_owned,
-                );
-                Ok((
-                    indices.iter().filter_map(|&i| files[i as usize]).collect(),
-                    name,
-                ))
-            }
-            None => {
-                let layout = match root {
-                    Some(root) => self.datasets.at(Path::new(root))?,
-                    None => self
-                        .datasets
-                        .get(self.datasets.named_root().unwrap_or(ROOT))?,
-                };
-                check_range(indices, layout.len(), "the mount's layout")?;
-                let files = indices.iter().filter_map(|&i| layout.file_of(i as u32));
-                Ok((files.collect(), layout.name().to_owned()))
-            }
+        let Some(handle) = dataset else {
+            let layout = self.layout_at(root)?;
+            check_range(indices, layout.len(), "the mount's layout")?;
+            let files: Vec<FileId> = (indices.iter())
+                .filter_map(|&i| layout.file_of(i as u32))
+                .collect();
+            let files = self.keep_readable(catalog, files, gone)?;
+            return Ok((files, layout.name().to_owned()));
+        };
+        // A registered dataset's files were checked as it was registered.
+        let registered = usize::try_from(handle)
+            .ok()
+            .and_then(|h| self.registrations.get(h))
+            .ok_or(RequestError::NoDataset(handle))?;
+        let files = &registered.files;
+        check_range(indices, files.len(), "the registered dataset")?;
+        let name = root.map_or_else(
+            || crate::catalog::dataset_name(catalog, registered.root),
+            str::to_owned,
+        );
+        let files = (indices.iter()).filter_map(|&i| files[i as usize].get());
+        Ok((files.collect(), name))
+    }
+
+    /// The mount's layout of the dataset at `root` (`None`: the one the mount was told, or
+    /// SOURCE). Why a root is not one is told only to those who may list everything: to
+    /// others it would tell which directories exist.
+    fn layout_at(&self, root: Option<&str>) -> Result<Arc<crate::catalog::Layout>, RequestError> {
+        let datasets = &self.mount.datasets;
+        let layout = match root {
+            Some(root) => datasets.at(Path::new(root)),
+            None => datasets.get(datasets.named_root().unwrap_or(ROOT)),
+        };
+        layout.map_err(|e| match self.privileged {
+            true => RequestError::Root(e),
+            false => RequestError::NotADataset,
+        })
+    }
+
+    /// `files` without those the peer may not read.
+    fn keep_readable(
+        &self,
+        catalog: &Catalog,
+        mut files: Vec<FileId>,
+        gone: &dyn Fn() -> bool,
+    ) -> Result<Vec<FileId>, RequestError> {
+        if self.privileged {
+            return Ok(files);
         }
+        let gate = &self.mount.gate;
+        let readable = (gate.readable(&self.credential, &files, catalog, &|| !gone()))
+            .ok_or(RequestError::Gone)?;
+        files.retain(|&id| readable.allows(id));
+        Ok(files)
+    }
+
+    /// `stagefs epoch`: the job (re)starts at `epoch`. Planned one at a time, and given up
+    /// as soon as the client hangs up: a far epoch may replay minutes of random draws.
+    fn move_epoch(
+        &self,
+        data: &MountedDataset,
+        epoch: u64,
+        gone: &dyn Fn() -> bool,
+    ) -> Result<Reply, RequestError> {
+        if !self.privileged {
+            return Err(self.owners_only("move its epoch"));
+        }
+        let plan = data.stager.plan();
+        if !plan.sampler().predicts() || plan.is_fed() {
+            return Err(RequestError::NoEpochs(plan.sampler().kind));
+        }
+        plan.check_epoch_reachable(epoch)?;
+        let _turn = loop {
+            if let Some(turn) = self.mount.planning.try_lock_for(EPOCH_WAIT_POLL) {
+                break turn;
+            }
+            if gone() {
+                return Err(RequestError::Gone);
+            }
+        };
+        if !data.stager.set_epoch_while(epoch, &|| !gone()) {
+            log::info!("gave up moving to epoch {epoch}: its client hung up");
+            return Err(RequestError::Gone);
+        }
+        Ok(Reply::ok())
     }
 }
 
 /// The regular file `relative` names inside the mount, links followed as the kernel would.
-fn file_at(data: &MountedDataset, relative: &str) -> Option<FileId> {
-    let catalog = &data.catalog;
+fn file_at(catalog: &Catalog, relative: &str) -> Option<FileId> {
     let id = catalog.resolve(catalog.lookup_path(Path::new(relative))?)?;
     (catalog.entry(id)?.kind == Kind::File).then_some(id)
 }

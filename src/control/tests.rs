@@ -1,7 +1,8 @@
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -16,7 +17,11 @@ struct Counting {
 struct CountingSession(u64);
 
 impl Session for CountingSession {
-    fn handle(&mut self, request: Request) -> Result<Reply, RequestError> {
+    fn handle(
+        &mut self,
+        request: Request,
+        _gone: &dyn Fn() -> bool,
+    ) -> Result<Reply, RequestError> {
         self.0 += 1;
         match request {
             Request::Epoch { epoch } if epoch > 100 => Err(RequestError::NoDataset(epoch)),
@@ -26,21 +31,31 @@ impl Session for CountingSession {
 }
 
 impl Service for Counting {
-    fn refuse(&self, peer: Peer) -> Option<String> {
-        self.peers.lock().unwrap().push(peer);
+    fn refuse(&self, peer: &Peer) -> Option<String> {
+        self.peers.lock().unwrap().push(peer.clone());
         (peer.uid != self.uid).then(|| format!("uid {} may not", peer.uid))
     }
-    fn session(&self, _: Peer) -> Box<dyn Session> {
+    fn privileged(&self, _: &Peer) -> bool {
+        false
+    }
+    fn session(self: Arc<Self>, _: Peer) -> Box<dyn Session> {
         Box::new(CountingSession(0))
     }
 }
 
 fn server(uid: u32) -> (ControlServer, Arc<Counting>) {
+    server_within(uid, Limits::default())
+}
+
+fn server_within(uid: u32, limits: Limits) -> (ControlServer, Arc<Counting>) {
     let service = Arc::new(Counting {
         uid,
         peers: Mutex::new(Vec::new()),
     });
-    (ControlServer::start(service.clone()).unwrap(), service)
+    (
+        ControlServer::start(service.clone(), limits).unwrap(),
+        service,
+    )
 }
 
 fn connect(server: &ControlServer) -> (UnixStream, BufReader<UnixStream>) {
@@ -142,4 +157,62 @@ fn the_client_helper_round_trips_and_a_stopped_server_is_gone() {
     assert_eq!(reply, json!({"ok": true, "count": 1}));
     drop(server);
     assert!(request(&address, &json!({"op": "epoch", "epoch": 2})).is_err());
+}
+
+/// A request must arrive whole within the deadline: a byte every now and then does not
+/// keep the connection (it did, when every read had its own timeout).
+#[test]
+fn a_trickled_request_is_cut_off_at_its_deadline() {
+    let deadline = Duration::from_millis(600);
+    let limits = Limits {
+        request_deadline: deadline,
+        ..Limits::default()
+    };
+    let (server, _service) = server_within(crate::sys::euid(), limits);
+    let (mut s, mut r) = connect(&server);
+    // Idle before a request is fine, however long.
+    std::thread::sleep(deadline * 2);
+    let started = Instant::now();
+    let mut sent = 0;
+    for byte in br#"{"op":"epoch","epoch":1"#.iter().cycle() {
+        if s.write_all(&[*byte]).is_err() {
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(deadline / 6);
+        if started.elapsed() > deadline * 20 {
+            break;
+        }
+    }
+    let mut reply = String::new();
+    let _ = r.read_line(&mut reply);
+    assert!(reply.contains("did not arrive whole"), "{reply}");
+    assert!(sent < 20, "the connection lasted {sent} bytes");
+    // The server goes on serving others.
+    let (mut s2, mut r2) = connect(&server);
+    assert_eq!(
+        exchange(&mut s2, &mut r2, r#"{"op":"epoch","epoch":1}"#)["ok"],
+        true
+    );
+}
+
+/// Requests sent together are answered one by one, in order.
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let (server, _service) = server(crate::sys::euid());
+    let (mut s, mut r) = connect(&server);
+    s.write_all(b"{\"op\":\"epoch\",\"epoch\":1}\n{\"op\":\"epoch\",\"epoch\":2}\n")
+        .unwrap();
+    for count in [1, 2] {
+        let mut reply = String::new();
+        r.read_line(&mut reply).unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&reply).unwrap()["count"],
+            count
+        );
+    }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
 }

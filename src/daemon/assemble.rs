@@ -15,8 +15,8 @@ use super::lifecycle::{RunningMount, block_termination_signals};
 use super::{Capacity, Lookahead, MountConfig, MountError, mounts};
 use crate::cache::{CacheDir, index_path};
 use crate::catalog::{Catalog, Datasets, IndexError, LayoutSpec, ROOT, index};
-use crate::control::{AdmitOther, ControlServer, MountControl, Peer};
-use crate::fs::{Caller, MountedDataset, StageFs, may_read_root};
+use crate::control::{ControlServer, Limits, MountControl};
+use crate::fs::{MountedDataset, StageFs};
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, SourceRoot, Stager, StagerSettings};
 use crate::stats::Counters;
@@ -189,34 +189,15 @@ fn start_stager(
 }
 
 /// Opens the mount's control channel (the job's announcements, `stagefs epoch`) and
-/// publishes its address on the root (`user.stagefs.control`). On an `--allow-other` mount,
-/// users besides the owner and root may use it if SOURCE lets them read the dataset's root.
+/// publishes its address on the root (`user.stagefs.control`). Besides the owner and root,
+/// the `--job-user` of an `--allow-other` mount may use it.
 fn start_control(
     config: &MountConfig,
     data: &Arc<MountedDataset>,
     datasets: Arc<Datasets>,
 ) -> Result<ControlServer, MountError> {
-    let admit_other = config.allow_other.then(|| {
-        let root = data.source_root.clone();
-        Box::new(move |peer: Peer| {
-            let caller = Caller {
-                uid: peer.uid,
-                gid: peer.gid,
-                pid: peer.pid,
-            };
-            may_read_root(root.clone(), caller).map_err(|e| {
-                format!("{e}: only users who may read the dataset may control this mount")
-            })
-        }) as AdmitOther
-    });
-    let service = MountControl {
-        data: Arc::downgrade(data),
-        datasets,
-        owner: crate::sys::euid(),
-        admit_other,
-        job: Default::default(),
-    };
-    let server = ControlServer::start(Arc::new(service))?;
+    let service = MountControl::new(data, datasets, crate::sys::euid(), config.job_user);
+    let server = ControlServer::start(Arc::new(service), Limits::default())?;
     let _ = data.control_address.set(server.address().to_string());
     Ok(server)
 }

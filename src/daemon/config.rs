@@ -73,6 +73,9 @@ pub struct MountConfig {
     pub foreground: bool,
     /// Let other users use the mount (SOURCE permissions are enforced).
     pub allow_other: bool,
+    /// With `allow_other`: the uid whose job may use the control channel besides the owner
+    /// and root (`--job-user`).
+    pub job_user: Option<u32>,
     /// Threads answering FUSE requests.
     pub fuse_threads: usize,
     /// Concurrent directory scans at mount time.
@@ -112,6 +115,7 @@ impl Default for MountConfig {
             window: 65_536,
             foreground: false,
             allow_other: false,
+            job_user: None,
             // Parallel DataLoader workers need several.
             fuse_threads: 8,
             // Metadata calls to a parallel file system are slow: overlap them.

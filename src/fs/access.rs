@@ -18,7 +18,10 @@
 //!
 //! Decisions are kept for [`DECISION_TTL`] (a revocation on SOURCE reaches the mount within
 //! it): per credential, two bits per catalog id (checked, allowed), for a bounded number of
-//! credentials. Groups are read from `/proc/<pid>/status` on every such open (the request
+//! credentials. What acts on many entries at once for one user (the control channel's
+//! announcements, a directory's staging state) asks [`Gate::readable`]: the credential taken
+//! on once, each directory walked to once, one `faccessat2` per name beneath it (a million
+//! files in about 3 s, then from the decisions). Groups are read from `/proc/<pid>/status` on every such open (the request
 //! carries only uid, gid and pid); if they cannot be read, or no longer belong to the uid and
 //! gid of the request (the pid was reused), the open is refused.
 //!
@@ -42,7 +45,7 @@
 //! needs a handle that only an open grants.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -51,7 +54,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::credentials::{AsCaller, Credential, SwitchError, parse_status, read_status};
-use crate::catalog::FileId;
+use crate::catalog::{Catalog, FileId};
 use crate::stager::SourceRoot;
 use crate::sys;
 
@@ -291,11 +294,7 @@ impl Gate {
     pub fn ask(&self, q: &Question) -> Result<(), Refusal> {
         let cacheable = q.mask == libc::R_OK;
         let result = {
-            let _as_caller = AsCaller::enter(&q.cred).inspect_err(|e| {
-                if !self.warned.swap(true, Ordering::Relaxed) {
-                    log::error!("{e}: other users will be refused");
-                }
-            })?;
+            let _as_caller = self.enter(&q.cred)?;
             self.root
                 .with(|fd| check_on_source(fd, &q.relative, q.mask))
         };
@@ -359,42 +358,149 @@ impl Gate {
     }
 }
 
-/// Whether SOURCE lets `caller` read the dataset's root directory (`R_OK | X_OK`), asked as
-/// for an open: who besides the owner and root may use an `--allow-other` mount's control
-/// channel. A one-off gate, so nothing is cached between such checks.
-pub fn may_read_root(root: Arc<SourceRoot>, caller: Caller) -> Result<(), Refusal> {
-    Gate::new(root, 1).check(
-        caller,
-        crate::catalog::ROOT,
-        libc::R_OK | libc::X_OK,
-        PathBuf::new,
-    )
+/// Of a set of catalog ids, those a credential may read on SOURCE (see [`Gate::readable`]).
+pub struct Readable(Option<Arc<Marks>>);
+
+impl Readable {
+    pub fn allows(&self, id: FileId) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|marks| marks.get(id) == Some(true))
+    }
 }
+
+/// Names checked between two questions whether the answer is still wanted.
+const CHECKS_BETWEEN_ASKS: usize = 4096;
+
+impl Gate {
+    /// Which of `ids` (files or directories) SOURCE lets `cred` read (`R_OK`), for callers
+    /// that act on many at once: the control channel's announcements, a directory's staging
+    /// state. The credential is taken on once, each directory walked to once and each name
+    /// checked beneath it, and the answers kept with the opens' decisions. Anything that
+    /// cannot be decided (SOURCE changed, this thread cannot take on `cred`) is not readable.
+    /// None if `wanted` says stop on the way.
+    pub fn readable(
+        &self,
+        cred: &Credential,
+        ids: &[FileId],
+        catalog: &Catalog,
+        wanted: &dyn Fn() -> bool,
+    ) -> Option<Readable> {
+        if cred.uid == self.euid {
+            return Some(Readable(None));
+        }
+        let (marks, last) = self.decisions.kept(cred, Instant::now());
+        let mut undecided: Vec<(FileId, FileId)> = (ids.iter())
+            .filter(|&&id| marks.get(id).is_none())
+            .filter_map(|&id| Some((catalog.entry(id)?.parent, id)))
+            .collect();
+        if undecided.is_empty() {
+            return Some(Readable(Some(marks)));
+        }
+        undecided.sort_unstable();
+        undecided.dedup();
+        let Ok(_as_caller) = self.enter(cred) else {
+            return Some(Readable(Some(marks)));
+        };
+        let mut since_asked = 0;
+        for in_dir in undecided.chunk_by(|a, b| a.0 == b.0) {
+            let dir = catalog.relative_path(in_dir[0].0);
+            let dir = self
+                .root
+                .with(|root| sys::openat2(root, &dir, libc::O_PATH, BENEATH));
+            for &(_, id) in in_dir {
+                since_asked += 1;
+                if since_asked >= CHECKS_BETWEEN_ASKS {
+                    since_asked = 0;
+                    if !wanted() {
+                        return None;
+                    }
+                }
+                let name = Path::new(catalog.name(id));
+                // One call per name, beneath the directory: a name that became a link since
+                // the scan answers for the link, and the stager refuses to copy it anyway.
+                let verdict = match &dir {
+                    Ok(dir) => {
+                        sys::faccessat2(dir.as_fd(), name, libc::R_OK, libc::AT_SYMLINK_NOFOLLOW)
+                    }
+                    Err(e) => Err(io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(0))),
+                };
+                let allowed = match verdict.map_err(|e| e.raw_os_error()) {
+                    Ok(()) => true,
+                    Err(Some(libc::EACCES | libc::EPERM)) => false,
+                    // Not there as catalogued: not readable now, and asked again next time.
+                    Err(_) => continue,
+                };
+                marks.set(id, allowed);
+                last.set(id, allowed);
+            }
+        }
+        Some(Readable(Some(marks)))
+    }
+
+    /// [`readable`](Self::readable) for the caller of a FUSE request (nothing is readable to
+    /// one whose credentials cannot be told).
+    /// The daemon's own user, whose requests SOURCE is never asked about (the daemon reads
+    /// as it).
+    pub fn is_daemons(&self, caller: Caller) -> bool {
+        caller.uid == self.euid
+    }
+
+    pub fn readable_by(&self, caller: Caller, ids: &[FileId], catalog: &Catalog) -> Readable {
+        if caller.uid == self.euid {
+            return Readable(None);
+        }
+        let nothing = || Readable(Some(Arc::new(Marks::new(0))));
+        match self.credential(caller) {
+            Ok(cred) => self
+                .readable(&cred, ids, catalog, &|| true)
+                .unwrap_or_else(nothing),
+            Err(_) => nothing(),
+        }
+    }
+
+    /// Whether SOURCE lets `cred` read each of `paths` as named, links inside SOURCE followed
+    /// as the kernel would (a name through a link needs search permission on the link's
+    /// directory too, which the link's target does not show).
+    pub fn named_readable(&self, cred: &Credential, paths: &[&Path]) -> Vec<bool> {
+        if cred.uid == self.euid {
+            return vec![true; paths.len()];
+        }
+        let Ok(_as_caller) = self.enter(cred) else {
+            return vec![false; paths.len()];
+        };
+        let links_inside = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_XDEV;
+        (paths.iter())
+            .map(|path| {
+                self.root
+                    .with(|root| {
+                        let node = sys::openat2(root, path, libc::O_PATH, links_inside)?;
+                        check_on_source(node.as_fd(), Path::new(""), libc::R_OK)
+                    })
+                    .is_ok()
+            })
+            .collect()
+    }
+
+    /// This thread acting as `cred`; a failure is logged once.
+    fn enter(&self, cred: &Credential) -> Result<AsCaller, SwitchError> {
+        AsCaller::enter(cred).inspect_err(|e| {
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                log::error!("{e}: other users will be refused");
+            }
+        })
+    }
+}
+
+/// How every check walks beneath SOURCE's root: no link, no other file system.
+const BENEATH: u64 = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV;
 
 /// Asks SOURCE's kernel, with this thread's credentials, whether `relative` beneath `root`
 /// allows `mask`. The walk follows no link and crosses no mount, so it never reaches the
 /// stagefs mount; it checks search permission on every directory it passes.
 pub(super) fn check_on_source(root: BorrowedFd<'_>, relative: &Path, mask: i32) -> io::Result<()> {
-    let file = sys::openat2(
-        root,
-        relative,
-        libc::O_PATH,
-        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_XDEV,
-    )?;
-    // SAFETY: valid fd and an empty C string, as AT_EMPTY_PATH requires.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_faccessat2,
-            file.as_raw_fd(),
-            c"".as_ptr(),
-            mask,
-            libc::AT_EACCESS | libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    match r {
-        0 => Ok(()),
-        _ => Err(io::Error::last_os_error()),
-    }
+    let file = sys::openat2(root, relative, libc::O_PATH, BENEATH)?;
+    sys::faccessat2(file.as_fd(), Path::new(""), mask, libc::AT_SYMLINK_NOFOLLOW)
 }
 
 #[cfg(test)]

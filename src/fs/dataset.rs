@@ -112,7 +112,7 @@ pub struct DatasetFs<B> {
     opens: Arc<Opens<B>>,
     pub(super) gate: Arc<Gate>,
     /// Size probes of our extended attributes, for this mount.
-    pub(super) probes: Probes,
+    pub(super) probes: Arc<Probes>,
     /// Which rank each opener is, while `--sampler auto` wants to know.
     launchers: Arc<Launchers>,
     /// Where requests make their SOURCE calls: never on a FUSE thread.
@@ -139,7 +139,7 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             acls: Arc::new(Acls::new(data.catalog.len())),
             data,
             opens: Arc::new(Opens::new()),
-            probes: Probes::default(),
+            probes: Arc::default(),
             launchers: Arc::default(),
             offload: Offload::start()?,
             statfs: Arc::new(LastStatfs {

@@ -25,7 +25,8 @@ mod xattr;
 #[cfg(test)]
 mod tests;
 
-pub use access::{Caller, Refusal, may_read_root};
+pub use access::{Caller, Gate, Readable, Refusal};
+pub use credentials::Credential;
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
 pub use xattr::{CONTROL_XATTR, OPS_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR};

@@ -17,7 +17,9 @@
 //!   round trips needs no path to the root).
 //! - a file: `user.stagefs.state` = `cached`, `staging` or `remote`.
 //! - a directory: `user.stagefs.state` = `N/M cached` for the M regular files of its whole
-//!   subtree (the root's answer covers the dataset).
+//!   subtree that the caller may see: those in the directories SOURCE lets them list (the
+//!   root's answer covers the dataset). A file's or directory's state is answered only to a
+//!   caller SOURCE lets read it, as SOURCE's own attributes are.
 //!
 //! Values that change between calls (counters, uptime) could outgrow the length a size probe
 //! reported, failing the caller's following read with ERANGE; see [`Probes`].
@@ -32,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::access::{Caller, Marks};
+use super::access::{Caller, Gate, Marks};
 use super::dataset::{Answer, DatasetFs, MountedDataset, id, refused};
 use super::error::FsError;
 use crate::catalog::{FileId, Kind, ROOT};
@@ -197,88 +199,142 @@ fn snapshot_value(snapshot: &Snapshot, key: &str) -> Option<Vec<u8>> {
     })
 }
 
-impl<B: Send + Sync + 'static> DatasetFs<B> {
-    /// Regular files in the subtree of `dir` and how many are cached, visited in chunks so the
-    /// stager's lock is never held for a whole large dataset.
-    fn cached_in_subtree(&self, dir: FileId) -> (u64, u64) {
-        const CHUNK: usize = 4096;
-        let catalog = &self.data.catalog;
-        let (mut cached, mut total) = (0, 0);
-        let mut files = Vec::with_capacity(CHUNK);
-        let mut dirs = vec![dir];
-        let flush = |files: &mut Vec<FileId>, cached: &mut u64| {
-            *cached += self.data.stager.cached_count(files.drain(..));
-        };
-        while let Some(d) = dirs.pop() {
-            for child in catalog.children(d) {
-                match catalog.entry(child).map(|e| e.kind) {
-                    Some(Kind::File) => {
-                        files.push(child);
-                        total += 1;
-                        if files.len() == CHUNK {
-                            flush(&mut files, &mut cached);
-                        }
-                    }
-                    Some(Kind::Directory) => dirs.push(child),
-                    _ => {}
+/// Regular files in the subtree of `dir` that `caller` may see (those of the directories
+/// SOURCE lets them list) and how many are cached, visited in chunks so the stager's lock is
+/// never held for a whole large dataset.
+fn cached_in_subtree(
+    data: &MountedDataset,
+    gate: &Gate,
+    dir: FileId,
+    caller: Caller,
+) -> (u64, u64) {
+    const CHUNK: usize = 4096;
+    let catalog = &data.catalog;
+    let mut dirs = vec![dir];
+    let mut next = 0;
+    while let Some(&d) = dirs.get(next) {
+        next += 1;
+        dirs.extend(
+            catalog
+                .children(d)
+                .filter(|&c| catalog.entry(c).is_some_and(|e| e.kind == Kind::Directory)),
+        );
+    }
+    let listable = gate.readable_by(caller, &dirs, catalog);
+    let (mut cached, mut total) = (0, 0);
+    let mut files = Vec::with_capacity(CHUNK);
+    let flush = |files: &mut Vec<FileId>, cached: &mut u64| {
+        *cached += data.stager.cached_count(files.drain(..));
+    };
+    for d in dirs.into_iter().filter(|&d| listable.allows(d)) {
+        for child in catalog.children(d) {
+            if catalog.entry(child).is_some_and(|e| e.kind == Kind::File) {
+                files.push(child);
+                total += 1;
+                if files.len() == CHUNK {
+                    flush(&mut files, &mut cached);
                 }
             }
         }
-        flush(&mut files, &mut cached);
-        (cached, total)
     }
+    flush(&mut files, &mut cached);
+    (cached, total)
+}
 
+/// `user.stagefs.state` of `id`, answered only to a caller SOURCE lets read it: whether a file
+/// is cached tells that someone read or announced it. Asks SOURCE for callers other than the
+/// daemon's user: never on a FUSE thread.
+fn state(
+    data: &MountedDataset,
+    gate: &Gate,
+    id: FileId,
+    caller: Caller,
+) -> Result<Option<Vec<u8>>, FsError> {
+    let Some(entry) = data.catalog.entry(id) else {
+        return Ok(None);
+    };
+    if !matches!(entry.kind, Kind::File | Kind::Directory) {
+        return Ok(None);
+    }
+    let catalog = &data.catalog;
+    gate.check(caller, id, libc::R_OK, || catalog.relative_path(id))
+        .map_err(|r| refused(catalog, caller, id, r))?;
+    Ok(Some(match entry.kind {
+        Kind::File => data.stager.file_state(id).as_bytes().to_vec(),
+        _ => {
+            let (cached, total) = cached_in_subtree(data, gate, id, caller);
+            format!("{cached}/{total} cached").into_bytes()
+        }
+    }))
+}
+
+/// `value` of our attribute `key` answered for a request of `size` (0: a size probe) by
+/// `thread`: a read after a probe gets what the probe measured, so a value that grew
+/// meanwhile does not fail it with ERANGE.
+fn probed(
+    probes: &Probes,
+    thread: u32,
+    id: FileId,
+    key: &str,
+    size: u32,
+    value: Vec<u8>,
+) -> Result<Xattr, FsError> {
+    if size == 0 {
+        probes.remember(thread, id, key, &value);
+    } else if value.len() > size as usize
+        && let Some(probed) = probes.take(thread, id, key, size as usize)
+    {
+        return Ok(Xattr::Data(probed));
+    }
+    sized(size, value)
+}
+
+impl<B: Send + Sync + 'static> DatasetFs<B> {
     /// Our attribute `key` (the name after [`PREFIX`]) of `id`, if it has one.
-    fn ours(&self, id: FileId, key: &str) -> Option<Vec<u8>> {
+    fn ours(&self, id: FileId, key: &str, caller: Caller) -> Result<Option<Vec<u8>>, FsError> {
         let data = &self.data;
         if key == OPS {
-            return Some(serde_json::to_vec(&data.ops.by_name()).expect("counts serialize"));
+            let ops = serde_json::to_vec(&data.ops.by_name()).expect("counts serialize");
+            return Ok(Some(ops));
         }
         if id == ROOT {
             if key == PID {
-                return Some(std::process::id().to_string().into_bytes());
+                return Ok(Some(std::process::id().to_string().into_bytes()));
             }
             if key == CONTROL {
-                return data.control_address.get().map(|a| a.clone().into_bytes());
+                return Ok(data.control_address.get().map(|a| a.clone().into_bytes()));
             }
             let snapshot = data.snapshot(self.passthrough_flag().load(Ordering::Relaxed));
             if let Some(v) = snapshot_value(&snapshot, key) {
-                return Some(v);
+                return Ok(Some(v));
             }
         }
-        if key != STATE {
-            return None;
+        if key == STATE {
+            return state(data, &self.gate, id, caller);
         }
-        let entry = data.catalog.entry(id)?;
-        Some(match entry.kind {
-            Kind::File => data.stager.file_state(id).as_bytes().to_vec(),
-            Kind::Directory => {
-                let (cached, total) = self.cached_in_subtree(id);
-                format!("{cached}/{total} cached").into_bytes()
-            }
-            _ => return None,
-        })
+        Ok(None)
     }
 
-    /// Our attribute `key` of `id`, answered at once.
-    fn our_xattr(
-        &self,
-        id: FileId,
-        key: &str,
-        size: u32,
-        caller: Caller,
-    ) -> Result<Xattr, FsError> {
-        let value = self.ours(id, key).ok_or(FsError::NoAttr)?;
+    /// Our attribute `key` of `id`: at once, but for another user's `state`, which asks
+    /// SOURCE, off the FUSE thread (see `offload`; EIO if SOURCE does not answer).
+    fn our_xattr(&self, id: FileId, key: &str, size: u32, caller: Caller, reply: Answer<Xattr>) {
         // The caller's thread id as FUSE reports it pairs size probes with reads.
         let thread = caller.pid;
-        if size == 0 {
-            self.probes.remember(thread, id, key, &value);
-        } else if value.len() > size as usize
-            && let Some(probed) = self.probes.take(thread, id, key, size as usize)
-        {
-            return Ok(Xattr::Data(probed));
+        if key != STATE || self.gate.is_daemons(caller) {
+            let value = self
+                .ours(id, key, caller)
+                .and_then(|v| v.ok_or(FsError::NoAttr));
+            return reply(value.and_then(|v| probed(&self.probes, thread, id, key, size, v)));
         }
-        sized(size, value)
+        let (data, gate, probes) = (self.data.clone(), self.gate.clone(), self.probes.clone());
+        self.offload.run(
+            move || {
+                let value = state(&data, &gate, id, caller)?.ok_or(FsError::NoAttr)?;
+                probed(&probes, thread, id, STATE, size, value)
+            },
+            reply,
+            || Err(FsError::Io),
+        );
     }
 
     /// Attribute `name` of `ino`, or its length if `size` is 0.
@@ -295,7 +351,7 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             return reply(Err(FsError::NotFound));
         }
         if let Some(key) = name.to_str().and_then(|n| n.strip_prefix(PREFIX)) {
-            return reply(self.our_xattr(id, key, size, caller));
+            return self.our_xattr(id, key, size, caller, reply);
         }
         // SOURCE's own attribute: read off the FUSE thread, bounded (see `offload`).
         let (data, name) = (self.data.clone(), name.to_os_string());

@@ -324,15 +324,25 @@ impl SamplerConfig {
     }
 
     /// Random words drawn (or skipped) to reach `epoch` from the start of the stream: numpy's
-    /// shuffles follow each other in one stream, and torch-random with a seeded generator
-    /// skips the earlier epochs' draws. Samplers seeding each epoch afresh need none.
+    /// shuffles follow each other in one stream, and torch-random skips the earlier epochs'
+    /// draws (its randperms with a seeded generator; the loader's base seeds and, with the
+    /// global generator, each epoch's seed, two words each). Samplers seeding each epoch
+    /// afresh need none.
     pub fn replay_words(&self, len: u64, epoch: u64) -> u128 {
         let per_epoch = match self.kind {
             SamplerKind::NumpyLegacy | SamplerKind::NumpyGenerator | SamplerKind::NumpyInplace => {
                 u128::from(len)
             }
-            SamplerKind::TorchRandom if self.generator != GeneratorSource::Global => {
-                2 * u128::from(torch::randperm_draws(len, self.torch_version))
+            SamplerKind::TorchRandom => {
+                let randperms = match self.generator {
+                    GeneratorSource::Global => 2,
+                    _ => 2 * u128::from(torch::randperm_draws(len, self.torch_version)),
+                };
+                let base_seed = match (self.generator, self.persistent_workers) {
+                    (GeneratorSource::Sampler, _) | (_, true) => 0,
+                    _ => 2,
+                };
+                randperms + base_seed
             }
             _ => 0,
         };
@@ -475,6 +485,20 @@ impl SamplerConfig {
     /// return it once: the ranks read the same file at about the same time, so repeating each
     /// index per rank would only lengthen the staging queue.
     pub fn node_order(&self, len: u64, epoch: u64, ranks: &[u32]) -> Result<Vec<u32>, OrderError> {
+        let order = self.node_order_while(len, epoch, ranks, &|| true)?;
+        Ok(order.expect("an order always wanted is always computed"))
+    }
+
+    /// [`node_order`](Self::node_order), given up (`None`) as soon as `wanted` says the order
+    /// is no longer wanted: a replay through many epochs asks every few million draws, so a far
+    /// epoch whose requester went away stops costing CPU.
+    pub fn node_order_while(
+        &self,
+        len: u64,
+        epoch: u64,
+        ranks: &[u32],
+        wanted: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<u32>>, OrderError> {
         self.validate(len, ranks)?;
         Ok(match self.kind {
             SamplerKind::TorchDistributed => {
@@ -484,24 +508,29 @@ impl SamplerConfig {
                 } else {
                     None
                 };
-                self.distributed(len).node_order(seed, ranks)
+                Some(self.distributed(len).node_order(seed, ranks))
             }
-            SamplerKind::TorchRandom => torch::Random {
-                n: len,
-                seed: torch_seed(self.seed),
-                generator: self.generator,
-                persistent_workers: self.persistent_workers,
-                version: self.torch_version,
+            SamplerKind::TorchRandom => self.torch_random(len).epoch_order(epoch, wanted),
+            SamplerKind::NumpyLegacy => numpy::legacy_order(self.seed as u32, len, epoch, wanted),
+            SamplerKind::NumpyGenerator => {
+                numpy::generator_order(self.seed as u64, len, epoch, wanted)
             }
-            .epoch_order(epoch),
-            SamplerKind::NumpyLegacy => numpy::legacy_order(self.seed as u32, len, epoch),
-            SamplerKind::NumpyGenerator => numpy::generator_order(self.seed as u64, len, epoch),
-            SamplerKind::NumpyInplace => numpy::inplace_order(self.seed as u32, len, epoch),
-            SamplerKind::Sequential => (0..len).map(|i| i as u32).collect(),
-            SamplerKind::List => self.order_list.as_deref().cloned().unwrap_or_default(),
+            SamplerKind::NumpyInplace => numpy::inplace_order(self.seed as u32, len, epoch, wanted),
+            SamplerKind::Sequential => Some((0..len).map(|i| i as u32).collect()),
+            SamplerKind::List => Some(self.order_list.as_deref().cloned().unwrap_or_default()),
             // Announced orders are the plan's (plan::Feed), in files rather than indices.
-            SamplerKind::Feed | SamplerKind::None | SamplerKind::Auto => Vec::new(),
+            SamplerKind::Feed | SamplerKind::None | SamplerKind::Auto => Some(Vec::new()),
         })
+    }
+
+    fn torch_random(&self, len: u64) -> torch::Random {
+        torch::Random {
+            n: len,
+            seed: torch_seed(self.seed),
+            generator: self.generator,
+            persistent_workers: self.persistent_workers,
+            version: self.torch_version,
+        }
     }
 
     fn distributed(&self, len: u64) -> torch::Distributed {

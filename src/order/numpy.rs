@@ -8,7 +8,8 @@
 //! the in-place array, which each epoch moves on). The stream's state after the last epoch
 //! asked for is kept, so asking for epochs in order (the planner, one epoch after the other;
 //! a resynchronisation scanning epochs) costs one epoch's draws each instead of a replay from
-//! the start.
+//! the start. A replay asks its caller every few million draws whether the order is still
+//! wanted (a far `stagefs epoch` whose client left stops there).
 
 use std::sync::{Mutex, PoisonError};
 
@@ -79,6 +80,9 @@ struct Checkpoint<B> {
     array: Vec<u32>,
 }
 
+/// Draws replayed between two questions whether the order is still wanted (a few ms).
+const DRAWS_BETWEEN_ASKS: u64 = 1 << 22;
+
 /// Streams kept: enough for the planner, a resynchronisation and a user's `stagefs order`
 /// at once (an MT19937 state is 5 KB; an in-place stream also keeps its array, 4 bytes a
 /// sample).
@@ -94,14 +98,14 @@ impl<B: BitSource + Clone> Checkpoints<B> {
 
     /// The order of epoch `epoch` (0 is the first) of the stream `fresh` starts, shuffling
     /// `n` indices as `shuffled` says, resumed from the latest checkpoint at or before it.
+    /// None once `wanted` says no.
     fn nth_order(
         &self,
-        seed: u64,
-        n: u64,
-        shuffled: Shuffled,
+        (seed, n, shuffled): (u64, u64, Shuffled),
         epoch: u64,
         fresh: impl FnOnce() -> B,
-    ) -> Vec<u32> {
+        wanted: &dyn Fn() -> bool,
+    ) -> Option<Vec<u32>> {
         let resume = self
             .lock()
             .iter()
@@ -113,7 +117,15 @@ impl<B: BitSource + Clone> Checkpoints<B> {
             Shuffled::Fresh => (0, fresh(), Vec::new()),
             Shuffled::InPlace => (0, fresh(), arange()),
         });
+        let mut since_asked = 0;
         while done < epoch {
+            since_asked += n;
+            if since_asked >= DRAWS_BETWEEN_ASKS {
+                since_asked = 0;
+                if !wanted() {
+                    return None;
+                }
+            }
             match shuffled {
                 Shuffled::Fresh => shuffle_draws(&mut bits, n, |_, _| {}),
                 Shuffled::InPlace => shuffle_draws(&mut bits, n, |i, j| array.swap(i, j)),
@@ -136,7 +148,7 @@ impl<B: BitSource + Clone> Checkpoints<B> {
                 Shuffled::InPlace => order.clone(),
             },
         });
-        order
+        Some(order)
     }
 
     /// Keeps `new`, replacing an older point of the same stream, else the least advanced.
@@ -184,35 +196,53 @@ impl Stream {
     }
 }
 
-/// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`.
-pub fn legacy_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
-    LEGACY.nth_order(u64::from(seed), n, Shuffled::Fresh, epoch, || {
-        Mt19937::new(seed)
-    })
+/// `np.random.seed(seed)`, then the `epoch`-th `np.random.permutation(n)`; None once
+/// `wanted` says no.
+pub fn legacy_order(seed: u32, n: u64, epoch: u64, wanted: &dyn Fn() -> bool) -> Option<Vec<u32>> {
+    let stream = (u64::from(seed), n, Shuffled::Fresh);
+    LEGACY.nth_order(stream, epoch, || Mt19937::new(seed), wanted)
 }
 
 /// `np.random.seed(seed); idx = np.arange(n)`, then `np.random.shuffle(idx)` once per epoch
-/// up to and including `epoch`: `idx` as that epoch reads it.
-pub fn inplace_order(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
-    LEGACY.nth_order(u64::from(seed), n, Shuffled::InPlace, epoch, || {
-        Mt19937::new(seed)
-    })
+/// up to and including `epoch`: `idx` as that epoch reads it. None once `wanted` says no.
+pub fn inplace_order(seed: u32, n: u64, epoch: u64, wanted: &dyn Fn() -> bool) -> Option<Vec<u32>> {
+    let stream = (u64::from(seed), n, Shuffled::InPlace);
+    LEGACY.nth_order(stream, epoch, || Mt19937::new(seed), wanted)
 }
 
-/// `rng = np.random.default_rng(seed)`, then the `epoch`-th `rng.permutation(n)`.
-pub fn generator_order(seed: u64, n: u64, epoch: u64) -> Vec<u32> {
-    GENERATOR.nth_order(seed, n, Shuffled::Fresh, epoch, || Pcg64::from_seed(seed))
+/// `rng = np.random.default_rng(seed)`, then the `epoch`-th `rng.permutation(n)`; None once
+/// `wanted` says no.
+pub fn generator_order(
+    seed: u64,
+    n: u64,
+    epoch: u64,
+    wanted: &dyn Fn() -> bool,
+) -> Option<Vec<u32>> {
+    let stream = (seed, n, Shuffled::Fresh);
+    GENERATOR.nth_order(stream, epoch, || Pcg64::from_seed(seed), wanted)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn legacy(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
+        legacy_order(seed, n, epoch, &|| true).unwrap()
+    }
+
+    fn inplace(seed: u32, n: u64, epoch: u64) -> Vec<u32> {
+        inplace_order(seed, n, epoch, &|| true).unwrap()
+    }
+
+    fn generator(seed: u64, n: u64, epoch: u64) -> Vec<u32> {
+        generator_order(seed, n, epoch, &|| true).unwrap()
+    }
+
     #[test]
     fn check_values() {
         // From access-order.md.
-        assert_eq!(legacy_order(0, 10, 0), [2, 8, 4, 9, 1, 6, 7, 3, 0, 5]);
-        assert_eq!(generator_order(0, 10, 0), [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]);
+        assert_eq!(legacy(0, 10, 0), [2, 8, 4, 9, 1, 6, 7, 3, 0, 5]);
+        assert_eq!(generator(0, 10, 0), [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]);
     }
 
     #[test]
@@ -237,11 +267,11 @@ mod tests {
             ),
         ];
         for (seed, first, second) in cases {
-            assert_eq!(generator_order(seed, 10, 0), first, "seed {seed}");
-            assert_eq!(generator_order(seed, 10, 1), second, "seed {seed}");
+            assert_eq!(generator(seed, 10, 0), first, "seed {seed}");
+            assert_eq!(generator(seed, 10, 1), second, "seed {seed}");
         }
         assert_eq!(
-            legacy_order(u32::MAX, 12, 0),
+            legacy(u32::MAX, 12, 0),
             [11, 8, 5, 9, 1, 10, 6, 0, 4, 7, 2, 3]
         );
     }
@@ -262,13 +292,28 @@ mod tests {
         // Forward (resumes), backward (falls back to the start), repeated, and a gap.
         for epoch in [0, 1, 2, 5, 3, 3, 0, 9, 4] {
             assert_eq!(
-                legacy_order(77, 300, epoch),
+                legacy(77, 300, epoch),
                 replayed(77, 300, epoch),
                 "epoch {epoch}"
             );
         }
         // Another length of the same seed is another stream.
-        assert_eq!(legacy_order(77, 10, 1), replayed(77, 10, 1));
+        assert_eq!(legacy(77, 10, 1), replayed(77, 10, 1));
+    }
+
+    #[test]
+    fn a_replay_no_longer_wanted_stops() {
+        let asked = std::cell::Cell::new(0);
+        let n = 1000;
+        let far = 10 * DRAWS_BETWEEN_ASKS / n;
+        let until_third = || {
+            asked.set(asked.get() + 1);
+            asked.get() < 3
+        };
+        assert_eq!(legacy_order(79, n, far, &until_third), None);
+        assert_eq!(asked.get(), 3);
+        // What was given up leaves the stream as it was.
+        assert_eq!(legacy(79, n, 2), replayed(79, n, 2));
     }
 
     #[test]
@@ -280,16 +325,16 @@ mod tests {
         let mut previous: Vec<u32> = (0..n as u32).collect();
         let mut expected = Vec::new();
         for epoch in 0..8 {
-            let current: Vec<u32> = (legacy_order(seed, n, epoch).iter())
+            let current: Vec<u32> = (legacy(seed, n, epoch).iter())
                 .map(|&p| previous[p as usize])
                 .collect();
             expected.push(current.clone());
             previous = current;
         }
-        assert_eq!(inplace_order(seed, n, 0), legacy_order(seed, n, 0));
+        assert_eq!(inplace(seed, n, 0), legacy(seed, n, 0));
         for epoch in [1, 2, 5, 3, 3, 0, 7, 4] {
             assert_eq!(
-                inplace_order(seed, n, epoch),
+                inplace(seed, n, epoch),
                 expected[epoch as usize],
                 "epoch {epoch}"
             );

@@ -123,8 +123,9 @@ pub struct Random {
 }
 
 impl Random {
-    /// The order of epoch `epoch`, assuming nothing else draws from the generator.
-    pub fn epoch_order(&self, epoch: u64) -> Vec<u32> {
+    /// The order of epoch `epoch`, assuming nothing else draws from the generator; None once
+    /// `wanted` says no (asked every few million words skipped).
+    pub fn epoch_order(&self, epoch: u64, wanted: &dyn Fn() -> bool) -> Option<Vec<u32>> {
         let e = u128::from(epoch);
         // Outputs the loader's base seed (one random64 per iterator) has taken from the
         // generator up to and including this epoch: persistent workers keep the first iterator
@@ -139,16 +140,36 @@ impl Random {
         if self.generator == GeneratorSource::Global {
             // Each epoch the sampler draws a random64 seed for a private generator, which
             // keeps only its low 32 bits: the second output of the pair.
-            g.discard(base_seed_draws + 2 * e + 1);
-            randperm(self.n, &mut Mt19937::new(g.next_u32()), self.version)
+            discard_while(&mut g, base_seed_draws + 2 * e + 1, wanted)?;
+            Some(randperm(
+                self.n,
+                &mut Mt19937::new(g.next_u32()),
+                self.version,
+            ))
         } else {
             // Each epoch: randperm for the order, then one more whose result is discarded
             // when the sampler is exhausted.
             let per_epoch = 2 * u128::from(randperm_draws(self.n, self.version));
-            g.discard(base_seed_draws + e * per_epoch);
-            randperm(self.n, &mut g, self.version)
+            discard_while(&mut g, base_seed_draws + e * per_epoch, wanted)?;
+            Some(randperm(self.n, &mut g, self.version))
         }
     }
+}
+
+/// Words skipped between two questions whether the order is still wanted (a few ms).
+const WORDS_BETWEEN_ASKS: u128 = 1 << 24;
+
+/// Skips `k` outputs of `g`, unless `wanted` says no on the way.
+fn discard_while(g: &mut Mt19937, mut k: u128, wanted: &dyn Fn() -> bool) -> Option<()> {
+    while k > WORDS_BETWEEN_ASKS {
+        if !wanted() {
+            return None;
+        }
+        g.discard(WORDS_BETWEEN_ASKS);
+        k -= WORDS_BETWEEN_ASKS;
+    }
+    g.discard(k);
+    Some(())
 }
 
 #[cfg(test)]

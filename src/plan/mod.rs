@@ -488,12 +488,20 @@ impl Plan {
     /// stale) and kept among the last few. Single-flight: a caller asking for an epoch another
     /// thread is computing waits for that result.
     pub fn epoch(&self, epoch: u64) -> Arc<EpochPlan> {
+        self.epoch_while(epoch, &|| true)
+            .expect("a plan always wanted is always computed")
+    }
+
+    /// [`epoch`](Self::epoch), given up (`None`, nothing kept) as soon as `wanted` says it is
+    /// no longer wanted: reaching a far epoch may replay minutes of random draws, which must
+    /// stop when whoever asked for it goes away.
+    pub fn epoch_while(&self, epoch: u64, wanted: &dyn Fn() -> bool) -> Option<Arc<EpochPlan>> {
         let mut epochs = self.epochs.lock();
         loop {
             if let Some(p) = epochs.get(epoch)
                 && self.is_current(&p)
             {
-                return p;
+                return Some(p);
             }
             if !epochs.building.contains(&epoch) {
                 break;
@@ -502,22 +510,23 @@ impl Plan {
         }
         epochs.building.push(epoch);
         drop(epochs);
-        let plan = Arc::new(self.compute(epoch));
+        let plan = self.compute(epoch, wanted).map(Arc::new);
         let mut epochs = self.epochs.lock();
         epochs.building.retain(|&e| e != epoch);
-        if plan.generation != self.generation.load(Ordering::SeqCst) {
-            // The order was replaced while this was computed: the caller gets what it asked
-            // for, the plans in memory stay the new order's.
-            drop(epochs);
-            self.built.notify_all();
-            return plan;
+        match &plan {
+            // A stale plan stays in use until this one replaces it: the tracker keeps matching.
+            Some(p) if p.generation == self.generation.load(Ordering::SeqCst) => {
+                epochs.recent.retain(|p| p.epoch != epoch);
+                if epochs.recent.len() >= CACHED_EPOCHS {
+                    epochs.recent.pop_front();
+                }
+                epochs.recent.push_back(p.clone());
+            }
+            // Given up, or the order was replaced while this was computed: the caller gets
+            // what it asked for, the plans in memory stay the new order's (and a waiter for
+            // the same epoch computes it itself).
+            _ => {}
         }
-        // A stale plan stays in use until this one replaces it: the tracker keeps matching.
-        epochs.recent.retain(|p| p.epoch != epoch);
-        if epochs.recent.len() >= CACHED_EPOCHS {
-            epochs.recent.pop_front();
-        }
-        epochs.recent.push_back(plan.clone());
         drop(epochs);
         self.built.notify_all();
         plan
@@ -543,26 +552,39 @@ impl Plan {
     /// Node stream of `epoch` under `order`, which need not be the one in force (to judge
     /// another order against the opens before switching to it).
     pub fn stream_of(&self, order: &Order, epoch: u64) -> Vec<MaybeFile> {
+        self.stream_while(order, epoch, &|| true)
+            .expect("a stream always wanted is always computed")
+    }
+
+    /// [`stream_of`](Self::stream_of), None once `wanted` says no.
+    fn stream_while(
+        &self,
+        order: &Order,
+        epoch: u64,
+        wanted: &dyn Fn() -> bool,
+    ) -> Option<Vec<MaybeFile>> {
         if order.sampler.kind == SamplerKind::Feed {
             let mut files = self.feed.node_stream(epoch);
             files.truncate(self.epoch_len() as usize);
-            return files;
+            return Some(files);
         }
         // validate() ran in new(); what can still fail is per epoch (torch refuses a seed +
         // epoch above 2^64): that epoch is then not predicted, and the log says why.
         let indices = order
             .sampler
-            .node_order(order.layout.len() as u64, epoch, &order.ranks)
+            .node_order_while(order.layout.len() as u64, epoch, &order.ranks, wanted)
             .unwrap_or_else(|e| {
                 log::error!(
                     "cannot predict epoch {epoch}: {e}; its files are cached as they are read"
                 );
-                Vec::new()
-            });
-        indices
-            .into_iter()
-            .map(|i| MaybeFile::new(order.layout.file_of(i)))
-            .collect()
+                Some(Vec::new())
+            })?;
+        Some(
+            indices
+                .into_iter()
+                .map(|i| MaybeFile::new(order.layout.file_of(i)))
+                .collect(),
+        )
     }
 
     /// The files `epoch` reads, in order, leaving out samples that cannot be served.
@@ -570,21 +592,25 @@ impl Plan {
         self.stream(epoch).iter().filter_map(|f| f.get()).collect()
     }
 
-    fn compute(&self, epoch: u64) -> EpochPlan {
+    fn compute(&self, epoch: u64, wanted: &dyn Fn() -> bool) -> Option<EpochPlan> {
         let started = std::time::Instant::now();
         // Read before the stream: an announcement or a new order racing with this makes the
         // plan stale.
         let generation = self.generation.load(Ordering::SeqCst);
         let version = self.feed.version_of(epoch);
         let len = self.epoch_len();
-        let mut plan = EpochPlan::build(epoch, (version, len), self.stream(epoch), self.id_space);
+        let Some(stream) = self.stream_while(&self.order(), epoch, wanted) else {
+            log::info!("gave up planning epoch {epoch}: it is no longer wanted");
+            return None;
+        };
+        let mut plan = EpochPlan::build(epoch, (version, len), stream, self.id_space);
         plan.generation = generation;
         log::debug!(
             "planned epoch {epoch}: {} positions in {:.1?}",
             plan.len(),
             started.elapsed()
         );
-        plan
+        Some(plan)
     }
 
     /// Converts a global position to (epoch, offset).
@@ -650,6 +676,16 @@ mod tests {
         assert!(p.planned(1).is_some());
         // A forgotten epoch is recomputed on demand, identically.
         assert_eq!(p.epoch(0).stream, p.stream(0));
+    }
+
+    #[test]
+    fn a_plan_no_longer_wanted_is_given_up_and_nothing_is_kept() {
+        let layout = Arc::new(Layout::identity(1000));
+        let numpy = SamplerConfig::new(SamplerKind::NumpyLegacy);
+        let p = Plan::new(numpy, vec![0], layout, 1000).unwrap();
+        assert!(p.epoch_while(100_000, &|| false).is_none());
+        assert!(p.planned(100_000).is_none());
+        assert_eq!(p.epoch(3).stream, p.stream(3));
     }
 
     #[test]

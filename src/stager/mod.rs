@@ -366,14 +366,24 @@ impl Stager {
 
     /// The job says it (re)starts at `epoch` (`stagefs epoch`, or its announcement).
     pub fn set_epoch(&self, epoch: u64) {
+        self.set_epoch_while(epoch, &|| true);
+    }
+
+    /// [`set_epoch`](Self::set_epoch), unless `wanted` says no before the epoch is planned
+    /// (reaching a far epoch may replay minutes of random draws): then nothing changes and
+    /// this returns false.
+    pub fn set_epoch_while(&self, epoch: u64, wanted: &dyn Fn() -> bool) -> bool {
         // Planned before taking the lock: opens meanwhile go on.
-        self.inner.plan.epoch(epoch);
+        if self.inner.plan.epoch_while(epoch, wanted).is_none() {
+            return false;
+        }
         let mut st = self.inner.state.lock();
         let pos = self.inner.plan.join(epoch, 0);
         self.inner.reposition(&mut st, pos);
         log::info!("told the job is at epoch {epoch}: staging from there");
         drop(st);
         self.inner.work.notify_all();
+        true
     }
 
     /// The job announces the files `rank` reads in `epoch` of one of its loaders' streams
