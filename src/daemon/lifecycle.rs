@@ -19,9 +19,6 @@ use crate::fs::{MountedDataset, StageFs};
 
 /// The daemon reports readiness on the inherited file descriptor this variable names.
 const READY_FD_ENV: &str = "STAGEFS_READY_FD";
-/// The detached daemon's mount point, resolved, in its environment: how `stagefs unmount`
-/// finds a daemon that cannot answer (stopped), whose command line has the paths as typed.
-pub const MOUNTPOINT_ENV: &str = "STAGEFS_MOUNTPOINT";
 /// How long a stopping daemon keeps serving files still open on its lazily detached mount.
 const LAZY_WAIT: Duration = Duration::from_secs(10);
 /// How often the daemon checks whether its mount was removed from outside.
@@ -212,11 +209,7 @@ fn spawn_daemon(config: &MountConfig) -> Result<(), MountError> {
     let (read_fd, write_fd) = (fds[0], fds[1]);
     // SAFETY: read_fd was just created and is owned here alone (closed on every return).
     let reader = BufReader::new(unsafe { fs::File::from_raw_fd(read_fd) });
-    let child = daemon_command(write_fd).and_then(|mut cmd| {
-        cmd.env(MOUNTPOINT_ENV, mounts::resolve(&config.mountpoint))
-            .spawn()
-            .map_err(MountError::Spawn)
-    });
+    let child = daemon_command(write_fd).and_then(|mut cmd| cmd.spawn().map_err(MountError::Spawn));
     // SAFETY: closing our copy of the write end so EOF arrives if the daemon dies.
     unsafe { libc::close(write_fd) };
     let mut child = child?;
