@@ -197,6 +197,13 @@ pub fn openat(dir: Option<BorrowedFd<'_>>, name: &CStr, flags: i32) -> io::Resul
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// syncfs(2): writes out the dirty data of the file system `fd` is on (only that one: a
+/// global sync would wait on every other mount too, a hung network one included).
+pub fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: a valid descriptor.
+    check(unsafe { libc::syncfs(fd.as_raw_fd()) } as _).map(drop)
+}
+
 /// fchdir(2): makes `dir` the working directory.
 pub fn fchdir(dir: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: a valid descriptor.

@@ -644,12 +644,16 @@ mod tests {
     #[test]
     fn parses_mountinfo_lines() {
         let m = MountEntry::parse(
-            "812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0",
+            b"812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0,group_id=0",
         )
         .unwrap();
         assert_eq!((m.id, m.major, m.minor), (812, 0, 97));
         assert_eq!(m.path, std::path::Path::new("/tmp/a b"));
-        assert_eq!(m.fstype, "fuse.stagefs");
-        assert_eq!(MountEntry::parse("junk"), None);
+        assert_eq!((m.fstype.as_str(), m.owner), ("fuse.stagefs", Some(0)));
+        assert_eq!(MountEntry::parse(b"junk"), None);
+        // A mount point whose name is not UTF-8 is kept as it is, and hides no other line.
+        let m = MountEntry::parse(b"9 1 0:5 / /tmp/\xff rw - tmpfs none rw").unwrap();
+        assert_eq!(m.path.as_os_str().as_encoded_bytes(), b"/tmp/\xff");
+        assert_eq!((m.fstype.as_str(), m.owner), ("tmpfs", None));
     }
 }
