@@ -664,3 +664,33 @@ fn unmount_continues_the_stopped_daemon_and_no_process_that_looks_like_it() {
     assert!(!process_alive(pid));
     std::mem::forget(m); // unmounted above
 }
+
+/// A directory above a mount swapped for a link to another mount's directory, then the
+/// daemon told to stop: it unmounts its own mount where that now is, and not the other.
+#[test]
+fn a_stopping_daemon_unmounts_its_own_mount_wherever_a_swap_put_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 4, 2, 10, 100);
+    let (above, moved, other) = (
+        tmp.path().join("above"),
+        tmp.path().join("moved"),
+        tmp.path().join("other"),
+    );
+    std::fs::create_dir(&above).unwrap();
+    let mut guard = Unmounts(vec![moved.join("mnt")]);
+    let other_mount = other.join("mnt");
+    mount_at(&mut guard, &other_mount, &["-t", "tmpfs", "none"]);
+    let m = TestMount::new(&src, &above, &[]);
+    let pid = m.daemon_pid();
+    std::fs::rename(&above, &moved).unwrap();
+    std::os::unix::fs::symlink(&other, &above).unwrap();
+    signal(pid, libc::SIGTERM);
+    let exited = wait_for(Duration::from_secs(20), || !process_alive(pid));
+    let (other_kept, ours_gone) = (is_mounted(&other_mount), !is_mounted(&moved.join("mnt")));
+    std::mem::forget(m); // its path leads elsewhere now
+    drop(guard);
+    assert!(exited, "the daemon did not exit");
+    assert!(other_kept, "the daemon unmounted the other mount");
+    assert!(ours_gone, "the daemon left its own mount behind");
+}

@@ -98,11 +98,6 @@ impl MountEntry {
     }
 }
 
-/// Whether `mount` is still the one on top at `path`: only then may it be unmounted by path.
-pub fn on_top(path: &Path, mount: &MountEntry) -> bool {
-    at(path).last().is_some_and(|m| m.same(mount))
-}
-
 /// Whether `mount` is still in the table.
 pub fn exists(mount: &MountEntry) -> bool {
     table().iter().any(|m| m.same(mount))
@@ -589,11 +584,6 @@ pub fn abort_connection(mount: &MountEntry) -> Result<(), AbortError> {
         path: abort,
         source,
     })
-}
-
-/// Calls umount2(2) on `path`.
-pub fn umount(path: &Path, flags: libc::c_int) -> io::Result<()> {
-    sys::umount2(&sys::c_path(path)?, flags)
 }
 
 /// FUSE's setuid unmount helper: what may unmount a FUSE mount without root.
