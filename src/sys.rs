@@ -236,7 +236,7 @@ pub fn getxattr(path: &CStr, name: &CStr, buf: &mut [u8], follow: bool) -> io::R
     check(len as _).map(|n| n as usize)
 }
 
-/// Closes every descriptor but those in `keep` (sorted by the caller or not: any order).
+/// Closes every descriptor but the (at most two) in `keep`.
 fn close_all_but(keep: &[RawFd]) {
     let mut from: libc::c_uint = 0;
     let mut sorted = [RawFd::MAX; 2];

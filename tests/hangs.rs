@@ -694,3 +694,35 @@ fn a_stopping_daemon_unmounts_its_own_mount_wherever_a_swap_put_it() {
     assert!(other_kept, "the daemon unmounted the other mount");
     assert!(ours_gone, "the daemon left its own mount behind");
 }
+
+/// Another mount whose mount point's name is not UTF-8 (any user can name a directory so and
+/// mount a FUSE file system there): stagefs still finds its own mounts in the mount table.
+#[test]
+fn a_mount_point_name_that_is_not_utf8_hides_no_mount() {
+    use std::os::unix::ffi::OsStrExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    image_folder(&src, 4, 2, 10, 100);
+    let mut guard = Unmounts(Vec::new());
+    let odd = tmp.path().join(OsStr::from_bytes(b"caf\xe9"));
+    std::fs::create_dir(&odd).unwrap();
+    let status = Command::new("mount")
+        .args(["-t", "tmpfs", "none"])
+        .arg(&odd)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    guard.0.push(odd);
+    let outcome = TestMount::try_new(&src, tmp.path(), &[]).map(|m| {
+        let out = stagefs(&["unmount", m.mnt.to_str().unwrap()]);
+        let gone = !is_mounted(&m.mnt);
+        if gone {
+            std::mem::forget(m);
+        }
+        (out, gone)
+    });
+    drop(guard);
+    let (unmounted, gone) = outcome.expect("mount");
+    assert!(unmounted.status.success(), "{unmounted:?}");
+    assert!(gone, "still mounted");
+}

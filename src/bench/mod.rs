@@ -97,7 +97,7 @@ pub struct BenchConfig {
     pub cold_epochs: bool,
     /// Progress bars on stderr (drawn only when it is a terminal).
     pub progress: bool,
-    /// Set from outside (a signal) to stop between batches and clean up.
+    /// Set from outside (a signal) to stop whatever it waits on and clean up.
     pub cancel: Arc<AtomicBool>,
 }
 
@@ -275,7 +275,7 @@ fn wait_unless_cancelled<T>(thread: &JoinHandle<T>, cancel: &AtomicBool) -> bool
         if cancel.load(Ordering::Relaxed) {
             return false;
         }
-        std::thread::sleep(CANCEL_POLL.min(std::time::Duration::from_millis(20)));
+        std::thread::sleep(CANCEL_POLL);
     }
     true
 }

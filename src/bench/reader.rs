@@ -149,7 +149,7 @@ fn next_batch<T>(batches: &Receiver<T>, cancel: &AtomicBool) -> Result<T, ReadEr
 }
 
 /// Sleeps for `time` (the training loop's compute), stopping early once `cancel` is set.
-pub fn pause(time: Duration, cancel: &AtomicBool) -> Result<(), ReadError> {
+fn pause(time: Duration, cancel: &AtomicBool) -> Result<(), ReadError> {
     let end = Instant::now() + time;
     loop {
         if cancel.load(Ordering::Relaxed) {

@@ -323,12 +323,12 @@ impl HeldMount {
     pub fn find(path: &Path, limit: Duration) -> Result<HeldMount, FindError> {
         let root = open_in_child(path, libc::O_PATH, limit)?;
         let of = sys::mount_of(root.as_fd(), c"").map_err(FindError::Io)?;
-        let entry = table()
-            .into_iter()
-            .find(|m| m.id == of.id && (m.major, m.minor) == of.dev);
-        let (true, Some(entry)) = (of.is_root, entry) else {
+        if !of.is_root {
             return Err(FindError::NotAMountPoint);
-        };
+        }
+        let entry = (table().into_iter())
+            .find(|m| m.id == of.id && (m.major, m.minor) == of.dev)
+            .ok_or(FindError::NotAMountPoint)?;
         let (Some(parent), Some(name)) = (entry.path.parent(), entry.path.file_name()) else {
             return Err(FindError::NotAMountPoint); // the root of everything
         };
@@ -359,7 +359,7 @@ impl HeldMount {
             AtMount::Getxattr(_) => vec![0u8; XATTR_MAX],
             _ => Vec::new(),
         };
-        let on_top = move |dir| match sys::mount_of(dir, name) {
+        let is_held = move |found: io::Result<MountOf>| match found {
             Ok(found) if found.is_root && found.same(&held) => Ok(()),
             Ok(_) => Err(ChildError::Replaced),
             Err(e) => Err(ChildError::Io(e)),
@@ -368,17 +368,17 @@ impl HeldMount {
         // umount2, sendmsg) on the names and buffers made above.
         unsafe {
             in_child(Some(dir), limit, |sock| {
-                let done = sys::fchdir(dir)
+                let on_top = sys::fchdir(dir)
                     .map_err(ChildError::from)
-                    .and_then(|()| on_top(dir));
-                let (result, fd) = match (done, what) {
+                    .and_then(|()| is_held(sys::mount_of(dir, name)));
+                let (result, fd) = match (on_top, what) {
                     (Err(e), _) => (Err(e), None),
                     (Ok(()), AtMount::Check) => (Ok(0), None),
                     (Ok(()), AtMount::Pin) => {
                         let flags = libc::O_PATH | libc::O_NOFOLLOW;
                         match sys::openat(Some(dir), name, flags) {
-                            // Opened after the check: it must still be the same mount.
-                            Ok(fd) => match on_top(dir) {
+                            // Opened after the check: what it opened must be the mount too.
+                            Ok(fd) => match is_held(sys::mount_of(fd.as_fd(), c"")) {
                                 Ok(()) => (Ok(0), Some(fd)),
                                 Err(e) => (Err(e), None),
                             },
@@ -641,7 +641,8 @@ mod tests {
         assert_eq!(m.path, std::path::Path::new("/tmp/a b"));
         assert_eq!((m.fstype.as_str(), m.owner), ("fuse.stagefs", Some(0)));
         assert_eq!(MountEntry::parse(b"junk"), None);
-        // A mount point whose name is not UTF-8 is kept as it is, and hides no other line.
+        // A mount point whose name is not UTF-8 is kept as it is (read as text, the whole
+        // table came out empty).
         let m = MountEntry::parse(b"9 1 0:5 / /tmp/\xff rw - tmpfs none rw").unwrap();
         assert_eq!(m.path.as_os_str().as_encoded_bytes(), b"/tmp/\xff");
         assert_eq!((m.fstype.as_str(), m.owner), ("tmpfs", None));
