@@ -172,17 +172,21 @@ fn statx(dir: BorrowedFd<'_>, name: &CStr, mask: u32) -> io::Result<libc::statx>
 }
 
 /// The mount `name` in `dir` is on (an empty name: `dir` itself). Needs Linux 5.8 (ENOSYS
-/// before: the kernel does not say).
+/// before: the kernel does not say). The legacy ID comes with no attribute asked for: a FUSE
+/// mount refuses any request from a user it does not serve (root, on a user's mount without
+/// `allow_other`), and the kernel counts the unique ID as one.
 pub fn mount_of(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<MountOf> {
-    let legacy = statx(dir, name, libc::STATX_MNT_ID)?;
+    let legacy = statx(dir, name, 0)?;
     let says_root = legacy.stx_attributes_mask & libc::STATX_ATTR_MOUNT_ROOT as u64 != 0;
     if legacy.stx_mask & libc::STATX_MNT_ID == 0 || !says_root {
         return Err(io::Error::from_raw_os_error(libc::ENOSYS));
     }
-    let unique = statx(dir, name, libc::STATX_MNT_ID_UNIQUE)?;
+    let unique = statx(dir, name, libc::STATX_MNT_ID_UNIQUE).ok();
     Ok(MountOf {
         id: legacy.stx_mnt_id,
-        unique_id: (unique.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0).then_some(unique.stx_mnt_id),
+        unique_id: unique
+            .filter(|u| u.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0)
+            .map(|u| u.stx_mnt_id),
         dev: (legacy.stx_dev_major, legacy.stx_dev_minor),
         is_root: legacy.stx_attributes & libc::STATX_ATTR_MOUNT_ROOT as u64 != 0,
     })

@@ -721,8 +721,10 @@ fn a_mount_point_name_that_is_not_utf8_hides_no_mount() {
         }
         (out, gone)
     });
+    let odd_seen = guard.0.iter().all(|p| is_mounted(p));
     drop(guard);
     let (unmounted, gone) = outcome.expect("mount");
+    assert!(odd_seen, "the test cannot see its own mount");
     assert!(unmounted.status.success(), "{unmounted:?}");
     assert!(gone, "still mounted");
 }
