@@ -225,8 +225,9 @@ struct SilentServer {
 }
 
 /// Mounts a FUSE file system served through a new /dev/fuse descriptor at `mnt`, typed as
-/// stagefs mounts are (`stagefs unmount` touches nothing else), and returns the descriptor.
-fn mount_fake_stagefs(mnt: &Path) -> std::fs::File {
+/// stagefs mounts are (`stagefs unmount` touches nothing else) and owned by uid `owner` (as
+/// fusermount3 mounts a user's, without allow_other), and returns the descriptor.
+fn mount_fake_stagefs(mnt: &Path, owner: u32) -> std::fs::File {
     require_fuse();
     let device = std::fs::OpenOptions::new()
         .read(true)
@@ -235,7 +236,7 @@ fn mount_fake_stagefs(mnt: &Path) -> std::fs::File {
         .expect("/dev/fuse");
     use std::os::fd::AsRawFd;
     let options = format!(
-        "fd={},rootmode=40000,user_id=0,group_id=0",
+        "fd={},rootmode=40000,user_id={owner},group_id={owner}",
         device.as_raw_fd()
     );
     let c = |s: &str| std::ffi::CString::new(s).unwrap();
@@ -286,7 +287,7 @@ fn fuse_init_out() -> [u8; 64] {
 
 impl SilentServer {
     fn mount(mnt: &Path) -> SilentServer {
-        let device = mount_fake_stagefs(mnt);
+        let device = mount_fake_stagefs(mnt, 0);
         let mut requests = device.try_clone().unwrap();
         let reader = std::thread::spawn(move || {
             use std::io::{Read, Write};
@@ -480,13 +481,19 @@ fn unmount_refuses_a_mount_that_only_claims_to_be_stagefs() {
     }
 }
 
-/// A fake stagefs mount at `mnt` served by a forked child of this test, so that the process
-/// the kernel shows serving it is not the test: it answers INIT, runs `on_getxattr` when the
-/// first GETXATTR comes and answers that with `value`, refuses anything else (ENOSYS), and
-/// exits once its connection ends. Returns the child's pid.
-fn fork_server(mnt: &Path, value: &'static [u8], on_getxattr: impl FnOnce()) -> libc::pid_t {
+/// A fake stagefs mount at `mnt` owned by uid `owner`, served by a forked child of this test
+/// running as that user, so that the process the kernel shows serving it is not the test: it
+/// answers INIT, runs `on_getxattr` when the first GETXATTR comes and answers that with
+/// `value`, refuses anything else (ENOSYS), and exits once its connection ends. Returns the
+/// child's pid.
+fn fork_server(
+    mnt: &Path,
+    owner: u32,
+    value: &'static [u8],
+    on_getxattr: impl FnOnce(),
+) -> libc::pid_t {
     use std::os::fd::AsRawFd;
-    let device = mount_fake_stagefs(mnt);
+    let device = mount_fake_stagefs(mnt, owner);
     // Everything the child uses is made before the fork: this test is multi-threaded.
     let fd = device.as_raw_fd();
     let mut buf = vec![0u8; (1 << 20) + 4096];
@@ -497,6 +504,11 @@ fn fork_server(mnt: &Path, value: &'static [u8], on_getxattr: impl FnOnce()) -> 
     // `on_getxattr`) on memory prepared above.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
+        // SAFETY: system calls with no memory arguments.
+        if unsafe { libc::setgid(owner) != 0 || libc::setuid(owner) != 0 } {
+            // SAFETY: ends the child.
+            unsafe { libc::_exit(1) };
+        }
         loop {
             // SAFETY: a buffer we own, of the length passed.
             let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
@@ -561,7 +573,7 @@ fn unmount_takes_the_mount_it_identified_when_a_directory_above_is_swapped() {
     guard.0.push(moved.join("mnt"));
     let c = |p: &Path| std::ffi::CString::new(p.to_str().unwrap()).unwrap();
     let (above_c, moved_c, other_c) = (c(&above), c(&moved), c(&other));
-    let server = fork_server(&mnt, b"1", move || {
+    let server = fork_server(&mnt, 0, b"1", move || {
         // SAFETY: valid C strings made before the fork.
         unsafe {
             libc::rename(above_c.as_ptr(), moved_c.as_ptr());
@@ -727,4 +739,26 @@ fn a_mount_point_name_that_is_not_utf8_hides_no_mount() {
     assert!(odd_seen, "the test cannot see its own mount");
     assert!(unmounted.status.success(), "{unmounted:?}");
     assert!(gone, "still mounted");
+}
+
+/// A user's own stagefs mount (owned by nobody, without allow_other, so root may not look
+/// inside it): root's `stagefs unmount` still identifies and unmounts it, and waits for the
+/// user's daemon, which the kernel shows serving it, to exit.
+#[test]
+fn root_unmounts_a_users_own_mount_and_waits_for_its_daemon() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    std::os::unix::fs::chown(&mnt, Some(65534), Some(65534)).unwrap();
+    let guard = Unmounts(vec![mnt.clone()]);
+    let server = fork_server(&mnt, 65534, b"1", || {});
+    let (out, _) = timed(&["unmount", mnt.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let gone = !is_mounted(&mnt);
+    let server_exited = !process_alive(server);
+    drop(guard);
+    reap(server);
+    assert!(out.status.success(), "{stderr}");
+    assert!(gone, "still mounted");
+    assert!(server_exited, "its daemon is still running");
 }
