@@ -2,12 +2,15 @@
 //! JSON's shape and counts, the chart, a later stagefs epoch served from the cache, a
 //! reproducible subset of whole classes, nothing left behind (mount, cache, copy, SOURCE
 //! untouched), bad input refused with one line, and what limits a run's numbers (not root, a
-//! cache in memory) said in the report.
+//! cache in memory) said in the report. And, run as root among other users (issue #31): a
+//! `--cache` others could swap things in is refused, SOURCE files swapped for FIFOs neither
+//! wedge it nor Ctrl-C, and a link where the chart goes is not followed.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::SystemTime;
@@ -355,4 +358,166 @@ fn a_user_without_root_and_a_cache_in_memory_are_both_said() {
     assert!(said("is in memory (tmpfs)"), "{notes:?}");
     assert!(stdout.contains("is in memory (tmpfs)"), "{stdout}");
     assert_eq!(json["methods"]["copy_first"]["epochs"][1]["files"], 200);
+}
+
+/// `--cache` a directory others may rename things in (mode 0777, no sticky bit): one of them
+/// could swap the benchmark's directory for a link to their victim's, which it would copy
+/// into and then delete. Refused before anything is written; a sticky one (as /tmp) is fine.
+#[test]
+fn a_cache_directory_others_could_swap_things_in_is_refused_and_a_sticky_one_is_not() {
+    let (work, source, tmp, _cache) = setup();
+    let shared = work.path().join("shared");
+    fs::create_dir(&shared).unwrap();
+    let victim = shared.join("victim");
+    fs::create_dir(&victim).unwrap();
+    fs::write(victim.join("keep"), "theirs").unwrap();
+    let run = |mode: u32| {
+        fs::set_permissions(&shared, fs::Permissions::from_mode(mode)).unwrap();
+        bench(
+            &tmp,
+            &[
+                source.to_str().unwrap(),
+                "--cache",
+                shared.to_str().unwrap(),
+                "--files",
+                "20",
+                "--epochs",
+                "1",
+                "--methods",
+                "direct,copy-first",
+            ],
+        )
+    };
+    let left = || {
+        fs::read_dir(&shared)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect::<Vec<_>>()
+    };
+    let out = run(0o777);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("can be changed by others"), "{stderr}");
+    assert_eq!(left(), ["victim"]);
+    ok(&run(0o1777));
+    assert_eq!(left(), ["victim"]);
+    assert_eq!(fs::read_to_string(victim.join("keep")).unwrap(), "theirs");
+}
+
+/// Waits (at most `limit`) until a file (not a directory: the scan lists those) in one of
+/// `dirs` is opened, by inotify watches set up before this is called.
+struct FileOpens(std::os::fd::OwnedFd);
+
+impl FileOpens {
+    fn watching(dirs: &[PathBuf]) -> FileOpens {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: no memory arguments.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(fd >= 0, "inotify_init1");
+        // SAFETY: a new descriptor nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        for dir in dirs {
+            let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+            // SAFETY: a valid descriptor and C string.
+            let wd = unsafe { libc::inotify_add_watch(fd.as_raw_fd(), c.as_ptr(), libc::IN_OPEN) };
+            assert!(wd >= 0, "inotify_add_watch {}", dir.display());
+        }
+        FileOpens(fd)
+    }
+
+    fn wait(&self, limit: std::time::Duration) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut buf = [0u8; 4096];
+        wait_for(limit, || {
+            // SAFETY: a buffer we own, of the length passed.
+            let n = unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            // struct inotify_event: wd, mask, cookie, len, then len bytes of name.
+            let (mut at, n) = (0, n.max(0) as usize);
+            while at + 16 <= n {
+                let field =
+                    |i: usize| u32::from_ne_bytes(buf[at + i..at + i + 4].try_into().unwrap());
+                if field(12) > 0 && field(4) & libc::IN_ISDIR == 0 {
+                    return true;
+                }
+                at += 16 + field(12) as usize;
+            }
+            false
+        })
+    }
+}
+
+/// SOURCE's files swapped for FIFOs while the benchmark reads them (an open of one waits for
+/// a writer that never comes), then Ctrl-C: it stops, with nothing left behind.
+#[test]
+fn source_files_swapped_for_fifos_neither_wedge_it_nor_keep_ctrl_c_waiting() {
+    let (_work, source, tmp, _cache) = setup();
+    let classes: Vec<PathBuf> = fs::read_dir(&source)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let opens = FileOpens::watching(&classes);
+    let mut child = Command::new(bin())
+        .args(["bench", source.to_str().unwrap(), "--methods", "direct"])
+        .args(["--epochs", "2", "--workers", "1", "--batch-size", "1"])
+        .args(["--compute-ms", "300"])
+        .env("TMPDIR", &tmp)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reading = opens.wait(std::time::Duration::from_secs(60));
+    for file in walk_files(&source) {
+        fs::remove_file(&file).unwrap();
+        let c = std::ffi::CString::new(file.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    }
+    // SAFETY: signalling the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let ended = wait_for(std::time::Duration::from_secs(30), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if !ended {
+        let _ = child.kill(); // a wait on a FIFO ends with SIGKILL
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(reading, "the benchmark never opened a file: {stderr}");
+    assert!(ended, "still running 30 s after Ctrl-C: {stderr}");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("stagefs: interrupted") || stderr.contains("was replaced"),
+        "{stderr}"
+    );
+    assert!(empty(&tmp), "left behind: {:?}", walk_files(&tmp));
+}
+
+/// A link planted where the chart goes (beside `--json`, in a directory others can write) is
+/// replaced by the chart, not followed to the file it names.
+#[test]
+fn a_link_where_the_chart_goes_is_replaced_not_followed() {
+    let (work, source, tmp, _cache) = setup();
+    let victim = work.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    std::os::unix::fs::symlink(&victim, work.path().join("out.svg")).unwrap();
+    let json = work.path().join("out.json");
+    ok(&bench(
+        &tmp,
+        &[
+            source.to_str().unwrap(),
+            "--files",
+            "20",
+            "--epochs",
+            "1",
+            "--methods",
+            "direct",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    ));
+    let kept = fs::read_to_string(&victim).unwrap() == "precious";
+    assert!(kept, "the file the link names was overwritten");
+    let svg = fs::symlink_metadata(work.path().join("out.svg")).unwrap();
+    assert!(svg.is_file(), "the chart is not a file of its own");
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::report::Report;
+use crate::files::write_atomically;
 
 /// Pixels: wide enough for a dozen epochs' labels, small enough for a README.
 const SIZE: (u32, u32) = (720, 420);
@@ -24,12 +25,20 @@ pub struct ChartError {
     message: String,
 }
 
-/// Draws `report`'s epoch times into the SVG file `path`.
+/// Draws `report`'s epoch times into the SVG file `path`, written as the JSON is: a new file
+/// renamed over `path`, so a link or a FIFO someone put there is replaced, never followed.
 pub fn draw(report: &Report, path: &Path) -> Result<(), ChartError> {
-    let fail = |e: &dyn std::fmt::Display| ChartError {
+    let fail = |message: String| ChartError {
         path: path.display().to_string(),
-        message: e.to_string(),
+        message,
     };
+    let svg = render(report).map_err(fail)?;
+    write_atomically(path, svg.as_bytes(), 0o644).map_err(|e| fail(e.to_string()))
+}
+
+/// `report`'s epoch times as an SVG document.
+fn render(report: &Report) -> Result<String, String> {
+    let fail = |e: &dyn std::fmt::Display| e.to_string();
     let runs: Vec<_> = report
         .methods
         .iter()
@@ -39,7 +48,8 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), ChartError> {
     let slowest = (runs.iter())
         .flat_map(|(_, r)| r.epochs.iter().map(|e| e.seconds))
         .fold(0.0, f64::max);
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     // A single epoch still gets an x range to draw in.
     let last = epochs.saturating_sub(1).max(1) as f64;
@@ -83,7 +93,9 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), ChartError> {
         .draw()
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    Ok(svg)
 }
 
 #[cfg(test)]

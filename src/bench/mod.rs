@@ -11,19 +11,25 @@
 //!
 //! It sits above [`crate::daemon`] (it mounts) and below the command line (`cli`), so the
 //! demo can call [`run`] and print [`report::table`] too. Everything it makes (mount, its
-//! cache, the copy, the list file) lives in one new directory under the cache directory and
-//! goes with it, on success, on error and when interrupted; SOURCE is only read.
+//! cache, the copy, the list file) lives in one new directory under the cache directory
+//! ([`work`]) and goes with it, on success, on error and when interrupted; SOURCE is only
+//! read, as a mount reads it ([`opener`]). Every wait (the scan, a read, the copy, the
+//! compute) gives way to Ctrl-C within [`reader::CANCEL_POLL`].
 
 pub mod chart;
+mod opener;
 pub mod reader;
 pub mod report;
 pub mod subset;
+mod work;
 
-use std::fs;
-use std::io;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -32,9 +38,11 @@ use crate::cache::filesystem_space;
 use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError};
 use crate::daemon::{self, MountConfig, MountError, RunningMount};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
-use reader::{EpochRead, Loader, ReadError};
+use opener::Opener;
+use reader::{CANCEL_POLL, EpochRead, Loader, ReadError};
 use report::{Epoch, MethodRun, Report, SubsetSummary};
 use subset::{Subset, SubsetError, SubsetSize};
+use work::WorkDir;
 
 /// The ways of reading the subset that a benchmark compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +97,7 @@ pub struct BenchConfig {
     pub cold_epochs: bool,
     /// Progress bars on stderr (drawn only when it is a terminal).
     pub progress: bool,
-    /// Set from outside (a signal) to stop between batches and clean up.
+    /// Set from outside (a signal) to stop whatever it waits on and clean up.
     pub cancel: Arc<AtomicBool>,
 }
 
@@ -103,6 +111,16 @@ pub enum BenchError {
     Cache { path: PathBuf, source: io::Error },
     #[error("--cache {} is inside SOURCE, which the benchmark only reads: give a directory on node-local storage", .0.display())]
     CacheInSource(PathBuf),
+    #[error(
+        "--cache {}: {} can be changed by others (owner uid {owner}, mode {mode:o}), who could swap the benchmark's directory for their own; give a directory only root or you can write to",
+        path.display(), dir.display()
+    )]
+    CacheUnsafe {
+        path: PathBuf,
+        dir: PathBuf,
+        owner: u32,
+        mode: u32,
+    },
     #[error(
         "--sampler feed cannot be benchmarked: the benchmark's reader announces nothing; name the sampler (e.g. --sampler torch-distributed --seed 0)"
     )]
@@ -150,16 +168,8 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     }
     let reader_sampler = reader_sampler(&config.sampler)?;
     // Before the scan, which may take minutes: a wrong --cache is said at once.
-    let work = work_dir(config.cache.as_deref(), &source)?;
-    // A scan of a parallel file system can take minutes: show that something is happening.
-    let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
-    scanning.enable_steady_tick(SPINNER_TICK);
-    let catalog = Catalog::scan(&source, MountConfig::default().scan_threads);
-    scanning.finish_and_clear();
-    let catalog = catalog?;
-    if config.cancel.load(Ordering::Relaxed) {
-        return Err(BenchError::Interrupted);
-    }
+    let work = WorkDir::create(config.cache.as_deref(), &source)?;
+    let catalog = scan(&source, config)?;
     let subset = subset::choose(
         &catalog,
         &config.extensions,
@@ -176,21 +186,32 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     if let Some(path) = &index {
         catalog::index::save(&catalog, path)?;
     }
-    drop(catalog);
+    let io_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BenchError::Io { path, source }
+    };
+    // SOURCE is read as the mount reads it, each file checked against this scan.
+    let source_files = Opener::source(&source, Arc::new(catalog), subset.files.clone().into())
+        .map_err(io_err(&source))?;
     let orders = (0..config.epochs)
         .map(|e| reader_sampler.node_order(subset.paths.len() as u64, e, &config.ranks))
         .collect::<Result<Vec<_>, _>>()?;
+    let source_files = Arc::new(source_files);
+    let paths: Arc<[PathBuf]> = subset.paths.clone().into();
     let bench = Bench {
         config,
         source: source.clone(),
+        source_files: source_files.clone(),
+        paths: paths.clone(),
         subset: &subset,
         orders: &orders,
-        work: work.path(),
+        work: &work,
         index,
         cold: ColdCache {
             enabled: config.cold_epochs,
-            source,
-            subset: &subset.paths,
+            work: &work,
+            source: source_files,
+            paths,
             written: vec![work.path().join(MOUNT_CACHE), work.path().join(COPY)],
             problem: OnceLock::new(),
         },
@@ -223,13 +244,40 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     }
     let path = work.path().to_path_buf();
     // The numbers are measured: a directory that cannot be removed is said, not an error.
-    if let Err(e) = work.close() {
+    if let Err(e) = work.remove() {
         report.notes.push(format!(
             "could not remove {}: {e}; remove it by hand",
             path.display()
         ));
     }
     Ok(report)
+}
+
+/// Scans SOURCE, which on a parallel file system can take minutes: with a spinner, and given
+/// up on Ctrl-C (the scan's threads are left to end with the process).
+fn scan(source: &Path, config: &BenchConfig) -> Result<Catalog, BenchError> {
+    let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
+    scanning.enable_steady_tick(SPINNER_TICK);
+    let root = source.to_path_buf();
+    let scan =
+        std::thread::spawn(move || Catalog::scan(&root, MountConfig::default().scan_threads));
+    let finished = wait_unless_cancelled(&scan, &config.cancel);
+    scanning.finish_and_clear();
+    if !finished {
+        return Err(BenchError::Interrupted);
+    }
+    Ok(scan.join().expect("the scan does not panic")?)
+}
+
+/// Waits for `thread` to finish; false if `cancel` was set first.
+fn wait_unless_cancelled<T>(thread: &JoinHandle<T>, cancel: &AtomicBool) -> bool {
+    while !thread.is_finished() {
+        if cancel.load(Ordering::Relaxed) {
+            return false;
+        }
+        std::thread::sleep(CANCEL_POLL);
+    }
+    true
 }
 
 /// The order the loop reads in: the mount's sampler, or DistributedSampler where the mount's
@@ -244,31 +292,18 @@ fn reader_sampler(mount: &SamplerConfig) -> Result<SamplerConfig, BenchError> {
     Ok(reader)
 }
 
-/// A new private directory for everything the benchmark writes, under `cache` or the
-/// system's temporary directory; never inside `source` (canonical), which is only read.
-fn work_dir(cache: Option<&Path>, source: &Path) -> Result<tempfile::TempDir, BenchError> {
-    let parent = cache.map_or_else(std::env::temp_dir, Path::to_path_buf);
-    if fs::canonicalize(&parent).is_ok_and(|p| p.starts_with(source)) {
-        return Err(BenchError::CacheInSource(parent));
-    }
-    tempfile::Builder::new()
-        .prefix("stagefs-bench.")
-        .tempdir_in(&parent)
-        .map_err(|source| BenchError::Cache {
-            path: parent,
-            source,
-        })
-}
-
 /// One run's shared state.
 struct Bench<'a> {
     config: &'a BenchConfig,
     /// SOURCE, canonical.
     source: PathBuf,
+    /// How SOURCE's files are opened; sample i is `paths[i]` in it.
+    source_files: Arc<Opener>,
+    paths: Arc<[PathBuf]>,
     subset: &'a Subset,
     /// The loop's sample order, per epoch.
     orders: &'a [Vec<u32>],
-    work: &'a Path,
+    work: &'a WorkDir,
     /// SOURCE's catalog as scanned for the subset, for the mount.
     index: Option<PathBuf>,
     cold: ColdCache<'a>,
@@ -277,23 +312,30 @@ struct Bench<'a> {
 impl Bench<'_> {
     fn direct(&self) -> Result<MethodRun, BenchError> {
         Ok(MethodRun {
-            epochs: self.epochs(Method::Direct, &self.source, None)?,
+            epochs: self.epochs(
+                Method::Direct,
+                &self.source,
+                self.source_files.clone(),
+                None,
+            )?,
             ..MethodRun::default()
         })
     }
 
     fn stagefs(&self) -> Result<MethodRun, BenchError> {
-        let list_file = self.work.join("subset.list");
-        let mountpoint = self.work.join("mnt");
+        let list_file = self.work.path().join("subset.list");
+        let mountpoint = self.work.path().join("mnt");
         let mut list = Vec::new();
-        for path in &self.subset.paths {
+        for path in self.paths.iter() {
             list.extend_from_slice(path.as_os_str().as_encoded_bytes());
             list.push(b'\n');
         }
-        fs::write(&list_file, list).map_err(|source| BenchError::Io {
-            path: list_file.clone(),
-            source,
-        })?;
+        create_new(&list_file)
+            .and_then(|mut f| f.write_all(&list))
+            .map_err(|source| BenchError::Io {
+                path: list_file.clone(),
+                source,
+            })?;
         fs::create_dir(&mountpoint).map_err(|source| BenchError::Io {
             path: mountpoint.clone(),
             source,
@@ -301,7 +343,7 @@ impl Bench<'_> {
         let mount_config = MountConfig {
             source: self.source.clone(),
             mountpoint: mountpoint.clone(),
-            cache: self.work.join(MOUNT_CACHE),
+            cache: self.work.path().join(MOUNT_CACHE),
             sampler: self.config.sampler.clone(),
             ranks: self.config.ranks.clone(),
             layout: LayoutKind::List,
@@ -316,7 +358,17 @@ impl Bench<'_> {
         let started = Instant::now();
         let mount = Mounted(Some(daemon::start(&mount_config)?));
         let mount_seconds = started.elapsed().as_secs_f64();
-        let epochs = self.epochs(Method::Stagefs, &mountpoint, Some(&mount))?;
+        let through = Opener::beneath(&mountpoint).map_err(|source| BenchError::Io {
+            path: mountpoint.clone(),
+            source,
+        })?;
+        // The opener holds the mount's root: let go before unmounting, which it would keep busy.
+        let epochs = self.epochs(
+            Method::Stagefs,
+            &mountpoint,
+            Arc::new(through),
+            Some(&mount),
+        )?;
         drop(mount);
         // The copy that may follow needs the room.
         remove_dir(&mount_config.cache)?;
@@ -328,8 +380,8 @@ impl Bench<'_> {
     }
 
     fn copy_first(&self) -> Result<MethodRun, BenchError> {
-        let (free, size) = filesystem_space(self.work).map_err(|source| BenchError::Io {
-            path: self.work.to_path_buf(),
+        let (free, size) = filesystem_space(self.work.path()).map_err(|source| BenchError::Io {
+            path: self.work.path().to_path_buf(),
             source,
         })?;
         let margin = (size as f64 * COPY_MARGIN) as u64;
@@ -344,13 +396,17 @@ impl Bench<'_> {
                 ..MethodRun::default()
             });
         }
-        let copy = self.work.join(COPY);
+        let copy = self.work.path().join(COPY);
         // The copy reads SOURCE from storage too, not from what earlier methods left in memory.
         self.cold.drop_page_cache();
         let started = Instant::now();
         self.copy_subset(&copy)?;
         let copy_seconds = started.elapsed().as_secs_f64();
-        let epochs = self.epochs(Method::CopyFirst, &copy, None)?;
+        let local = Opener::beneath(&copy).map_err(|source| BenchError::Io {
+            path: copy.clone(),
+            source,
+        })?;
+        let epochs = self.epochs(Method::CopyFirst, &copy, Arc::new(local), None)?;
         remove_dir(&copy)?;
         Ok(MethodRun {
             copy_seconds: Some(copy_seconds),
@@ -359,59 +415,67 @@ impl Bench<'_> {
         })
     }
 
-    /// Copies the subset from SOURCE to `to`, as many files at once as a mount stages.
+    /// Copies the subset from SOURCE to the new directory `to`, as many files at once as a
+    /// mount stages. On Ctrl-C the copiers stop between chunks; one stuck in a read is left
+    /// behind and creates nothing more.
     fn copy_subset(&self, to: &Path) -> Result<(), BenchError> {
-        let paths = &self.subset.paths;
+        fs::create_dir(to).map_err(|source| BenchError::Io {
+            path: to.to_path_buf(),
+            source,
+        })?;
         let bar = progress_bar(
             self.config.progress,
             Some(self.subset.bytes),
             "copy-first copy",
             BYTES_BAR,
         );
-        let next = AtomicUsize::new(0);
-        let threads = MountConfig::default().stage_threads.min(paths.len());
-        std::thread::scope(|s| {
-            let copiers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| -> Result<(), BenchError> {
-                        loop {
-                            if self.config.cancel.load(Ordering::Relaxed) {
-                                return Err(BenchError::Interrupted);
-                            }
-                            let Some(rel) = paths.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                                return Ok(());
-                            };
-                            let target = to.join(rel);
-                            let io = |path: &Path| {
-                                let path = path.to_path_buf();
-                                move |source| BenchError::Io { path, source }
-                            };
-                            if let Some(dir) = target.parent() {
-                                fs::create_dir_all(dir).map_err(io(dir))?;
-                            }
-                            let from = self.source.join(rel);
-                            bar.inc(fs::copy(&from, &target).map_err(io(&from))?);
-                        }
-                    })
-                })
-                .collect();
-            copiers
-                .into_iter()
-                .try_for_each(|c| c.join().expect("copy thread"))
-        })?;
+        let copier = Arc::new(Copier {
+            from: self.source_files.clone(),
+            source: self.source.clone(),
+            to: to.to_path_buf(),
+            paths: self.paths.clone(),
+            next: AtomicUsize::new(0),
+            cancel: self.config.cancel.clone(),
+            bar: bar.clone(),
+        });
+        let threads = MountConfig::default().stage_threads.min(self.paths.len());
+        let copiers: Vec<_> = (0..threads)
+            .map(|_| {
+                let copier = copier.clone();
+                std::thread::spawn(move || copier.run())
+            })
+            .collect();
+        for thread in copiers {
+            if !wait_unless_cancelled(&thread, &self.config.cancel) {
+                return Err(BenchError::Interrupted);
+            }
+            thread.join().expect("a copier does not panic")?;
+        }
         bar.finish_and_clear();
         Ok(())
     }
 
-    /// Reads every epoch of `method` from `root`, the page cache dropped before each (for a
-    /// mount, from epoch 1 on: before epoch 0 it was dropped before mounting); with `mount`,
-    /// the hits and misses it counted during each.
+    /// Reads every epoch of `method` through `files` (its paths shown under `root`), the
+    /// page cache dropped before each (for a mount, from epoch 1 on: before epoch 0 it was
+    /// dropped before mounting); with `mount`, the hits and misses it counted during each.
     fn epochs(
         &self,
         method: Method,
         root: &Path,
+        files: Arc<Opener>,
         mount: Option<&Mounted>,
     ) -> Result<Vec<Epoch>, BenchError> {
+        let (root, paths) = (root.to_path_buf(), self.paths.clone());
+        let read: reader::ReadSample = Arc::new(move |_, i| {
+            let relative = &paths[i as usize];
+            files
+                .open(i as usize, relative)
+                .and_then(reader::read_whole)
+                .map_err(|source| ReadError::Io {
+                    path: root.join(relative),
+                    source,
+                })
+        });
         let mut epochs = Vec::new();
         for (e, order) in self.orders.iter().enumerate() {
             if e > 0 || mount.is_none() {
@@ -426,13 +490,11 @@ impl Bench<'_> {
                 FILES_BAR,
             );
             let read = reader::read_epoch(
-                root,
-                &self.subset.paths,
                 order,
                 &self.config.loader,
                 &bar,
                 &self.config.cancel,
-                &reader::read_whole,
+                read.clone(),
             )
             .map_err(|source| match source {
                 ReadError::Interrupted => BenchError::Interrupted,
@@ -466,6 +528,73 @@ impl Bench<'_> {
         }
         Ok(epochs)
     }
+}
+
+/// What the copy-first copiers share: each takes the next file until none is left.
+struct Copier {
+    /// SOURCE's files, opened as a mount opens them; shown under `source`.
+    from: Arc<Opener>,
+    source: PathBuf,
+    to: PathBuf,
+    paths: Arc<[PathBuf]>,
+    next: AtomicUsize,
+    cancel: Arc<AtomicBool>,
+    bar: ProgressBar,
+}
+
+/// How much a copier moves between looks at the cancel flag.
+const COPY_CHUNK: usize = 1 << 20;
+
+impl Copier {
+    fn run(&self) -> Result<(), BenchError> {
+        let mut buf = vec![0u8; COPY_CHUNK];
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(relative) = self.paths.get(i) else {
+                return Ok(());
+            };
+            let from = self.source.join(relative);
+            let io = |path: &Path| {
+                let path = path.to_path_buf();
+                move |source| BenchError::Io { path, source }
+            };
+            self.stop_if_cancelled()?;
+            let mut file = self.from.open(i, relative).map_err(io(&from))?;
+            // Checked again after a SOURCE open that may have waited: nothing is created once
+            // the run is being cleaned up.
+            self.stop_if_cancelled()?;
+            let target = self.to.join(relative);
+            if let Some(dir) = target.parent() {
+                fs::create_dir_all(dir).map_err(io(dir))?;
+            }
+            let mut copy = create_new(&target).map_err(io(&target))?;
+            loop {
+                let n = file.read(&mut buf).map_err(io(&from))?;
+                if n == 0 {
+                    break;
+                }
+                copy.write_all(&buf[..n]).map_err(io(&target))?;
+                self.bar.inc(n as u64);
+                self.stop_if_cancelled()?;
+            }
+        }
+    }
+
+    fn stop_if_cancelled(&self) -> Result<(), BenchError> {
+        match self.cancel.load(Ordering::Relaxed) {
+            true => Err(BenchError::Interrupted),
+            false => Ok(()),
+        }
+    }
+}
+
+/// Creates the file `path` for writing, private; never one already there (nor a link).
+fn create_new(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
 }
 
 /// The bars' middle parts: counting files, counting bytes, or a spinner (no length).
@@ -529,9 +658,11 @@ fn remove_dir(path: &Path) -> Result<(), BenchError> {
 /// caches, so the note says so.
 struct ColdCache<'a> {
     enabled: bool,
-    /// SOURCE, canonical, and the subset's paths in it.
-    source: PathBuf,
-    subset: &'a [PathBuf],
+    /// Where the benchmark writes: dirty pages are written out before dropping.
+    work: &'a WorkDir,
+    /// SOURCE's files, opened as a mount opens them, and the subset's paths in it.
+    source: Arc<Opener>,
+    paths: Arc<[PathBuf]>,
     /// Directories the benchmark writes files into, evicted whole (absent ones are skipped).
     written: Vec<PathBuf>,
     /// What kept an epoch from starting cold, said once in the report.
@@ -548,9 +679,10 @@ impl ColdCache<'_> {
         }
         // SAFETY: no preconditions.
         if unsafe { libc::geteuid() } == 0 {
-            // Dirty pages are not dropped: write them out first.
-            // SAFETY: no preconditions.
-            unsafe { libc::sync() };
+            // Dirty pages are not dropped: write out the benchmark's first.
+            if let Err(e) = self.work.sync() {
+                log::debug!("syncing {}: {e}", self.work.path().display());
+            }
             match fs::write(DROP_CACHES, "3") {
                 Ok(()) => return,
                 Err(e) => {
@@ -566,8 +698,8 @@ impl ColdCache<'_> {
             );
         }
         let mut missed = 0u64;
-        for rel in self.subset {
-            let file = fs::File::open(self.source.join(rel));
+        for (i, relative) in self.paths.iter().enumerate() {
+            let file = self.source.open(i, relative);
             missed += u64::from(file.and_then(|f| evict(&f)).is_err());
         }
         for dir in &self.written {
@@ -605,7 +737,7 @@ fn evict_tree(dir: &Path) -> u64 {
         match entry.file_type() {
             Ok(t) if t.is_dir() => missed += evict_tree(&path),
             Ok(t) if t.is_file() => {
-                let file = fs::File::open(&path);
+                let file = crate::files::open_nofollow(&path);
                 let evicted = file.and_then(|f| f.sync_data().and_then(|()| evict(&f)));
                 missed += u64::from(evicted.is_err());
             }

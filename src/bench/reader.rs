@@ -11,9 +11,10 @@
 
 use std::fs::File;
 use std::io::{self, Read};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
@@ -21,6 +22,10 @@ use indicatif::ProgressBar;
 /// Batches a worker may have ready before the training loop takes them: DataLoader's default
 /// `prefetch_factor`.
 const PREFETCH_FACTOR: usize = 2;
+
+/// How often a wait looks at the cancel flag: Ctrl-C is obeyed within this, even while a
+/// worker is stuck in a read (it is left behind, not waited for).
+pub const CANCEL_POLL: Duration = Duration::from_millis(100);
 
 /// The loader's shape.
 #[derive(Clone, Debug)]
@@ -53,44 +58,48 @@ pub enum ReadError {
     Interrupted,
 }
 
-/// How worker `w` reads one file: its size. [`read_whole`] reads it as a job would.
-pub type ReadFile<'a> = &'a (dyn Fn(usize, &Path) -> io::Result<u64> + Sync);
+/// How worker `w` reads sample `i`: its size. The workers outlive a cancelled epoch (one may
+/// be stuck in a read), hence shared ownership.
+pub type ReadSample = Arc<dyn Fn(usize, u32) -> Result<u64, ReadError> + Send + Sync>;
 
-/// Reads a file to its end (as a dataset's `__getitem__` does); its size.
-pub fn read_whole(_worker: usize, path: &Path) -> io::Result<u64> {
+/// Reads an opened file to its end (as a dataset's `__getitem__` does); its size.
+pub fn read_whole(mut file: File) -> io::Result<u64> {
     let mut buf = Vec::new();
-    File::open(path).and_then(|mut f| f.read_to_end(&mut buf))?;
+    file.read_to_end(&mut buf)?;
     Ok(buf.len() as u64)
 }
 
-/// Reads `root/paths[i]` with `read` for each sample i of `order`, as [`Loader`] describes;
-/// `progress` advances by each batch's files. Stops between batches once `cancel` is set.
+/// Reads each sample of `order` with `read`, as [`Loader`] describes; `progress` advances by
+/// each batch's files. Stops within [`CANCEL_POLL`] once `cancel` is set.
 pub fn read_epoch(
-    root: &Path,
-    paths: &[PathBuf],
     order: &[u32],
     loader: &Loader,
     progress: &ProgressBar,
-    cancel: &AtomicBool,
-    read: ReadFile,
+    cancel: &Arc<AtomicBool>,
+    read: ReadSample,
 ) -> Result<EpochRead, ReadError> {
-    let batches: Vec<&[u32]> = order.chunks(loader.batch_size.max(1)).collect();
+    let batches: Arc<Vec<Vec<u32>>> = Arc::new(
+        order
+            .chunks(loader.batch_size.max(1))
+            .map(<[u32]>::to_vec)
+            .collect(),
+    );
     let workers = loader.workers.max(1);
     let started = Instant::now();
     let (mut stall, mut reading) = (Duration::ZERO, Duration::ZERO);
     let mut bytes = 0;
-    std::thread::scope(|s| {
-        // DataLoader keeps prefetch_factor batches per worker outstanding, the one being read
-        // included: the channel holds the others.
-        let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers)
-            .map(|_| mpsc::sync_channel::<Result<(u64, Duration), ReadError>>(PREFETCH_FACTOR - 1))
-            .unzip();
-        for (w, tx) in senders.into_iter().enumerate() {
-            let batches = &batches;
-            s.spawn(move || {
+    // DataLoader keeps prefetch_factor batches per worker outstanding, the one being read
+    // included: the channel holds the others.
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..workers)
+        .map(|_| mpsc::sync_channel::<Result<(u64, Duration), ReadError>>(PREFETCH_FACTOR - 1))
+        .unzip();
+    let threads: Vec<_> = (senders.into_iter().enumerate())
+        .map(|(w, tx)| {
+            let (batches, cancel, read) = (batches.clone(), cancel.clone(), read.clone());
+            std::thread::spawn(move || {
                 for batch in batches.iter().skip(w).step_by(workers) {
                     let started = Instant::now();
-                    let got = read_batch(root, paths, batch, |path| read(w, path))
+                    let got = read_batch(batch, &cancel, |i| read(w, i))
                         .map(|bytes| (bytes, started.elapsed()));
                     let failed = got.is_err();
                     // The training loop hung up (an error elsewhere, or cancelled): stop.
@@ -98,25 +107,21 @@ pub fn read_epoch(
                         return;
                     }
                 }
-            });
-        }
-        for (b, batch) in batches.iter().enumerate() {
-            if cancel.load(Ordering::Relaxed) {
-                return Err(ReadError::Interrupted);
-            }
-            let waiting = Instant::now();
-            let got = receivers[b % workers]
-                .recv()
-                .expect("a worker sends every batch it is given, or an error it stops at");
-            stall += waiting.elapsed();
-            let (batch_bytes, batch_reading) = got?;
-            bytes += batch_bytes;
-            reading += batch_reading;
-            std::thread::sleep(loader.compute);
-            progress.inc(batch.len() as u64);
-        }
-        Ok(())
-    })?;
+            })
+        })
+        .collect();
+    for (b, batch) in batches.iter().enumerate() {
+        let waiting = Instant::now();
+        let got = next_batch(&receivers[b % workers], cancel)?;
+        stall += waiting.elapsed();
+        let (batch_bytes, batch_reading) = got?;
+        bytes += batch_bytes;
+        reading += batch_reading;
+        pause(loader.compute, cancel)?;
+        progress.inc(batch.len() as u64);
+    }
+    // Every batch was taken: the workers have finished.
+    threads.into_iter().for_each(|t| drop(t.join()));
     Ok(EpochRead {
         seconds: started.elapsed().as_secs_f64(),
         files: order.len() as u64,
@@ -126,32 +131,65 @@ pub fn read_epoch(
     })
 }
 
-/// Reads every file of `batch`; their total size.
+/// The next batch a worker sends on `batches`, or [`ReadError::Interrupted`] once `cancel`
+/// is set, whether or not the worker ever sends it.
+fn next_batch<T>(batches: &Receiver<T>, cancel: &AtomicBool) -> Result<T, ReadError> {
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(ReadError::Interrupted);
+        }
+        match batches.recv_timeout(CANCEL_POLL) {
+            Ok(batch) => return Ok(batch),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("a worker sends every batch it is given, or an error it stops at")
+            }
+        }
+    }
+}
+
+/// Sleeps for `time` (the training loop's compute), stopping early once `cancel` is set.
+fn pause(time: Duration, cancel: &AtomicBool) -> Result<(), ReadError> {
+    let end = Instant::now() + time;
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(ReadError::Interrupted);
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        std::thread::sleep(left.min(CANCEL_POLL));
+    }
+}
+
+/// Reads every sample of `batch`; their total size. Stops between files once `cancel` is set.
 fn read_batch(
-    root: &Path,
-    paths: &[PathBuf],
     batch: &[u32],
-    read: impl Fn(&Path) -> io::Result<u64>,
+    cancel: &AtomicBool,
+    read: impl Fn(u32) -> Result<u64, ReadError>,
 ) -> Result<u64, ReadError> {
     let mut bytes = 0;
     for &i in batch {
-        let path = root.join(&paths[i as usize]);
-        bytes += read(&path).map_err(|source| ReadError::Io { path, source })?;
+        if cancel.load(Ordering::Relaxed) {
+            return Err(ReadError::Interrupted);
+        }
+        bytes += read(i)?;
     }
     Ok(bytes)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::fs;
+    use std::fs::{self, File};
     use std::path::{Path, PathBuf};
-    use std::sync::Mutex;
     use std::sync::atomic::AtomicBool;
+    use std::sync::{Arc, Mutex, mpsc};
     use std::time::Duration;
 
     use indicatif::ProgressBar;
 
-    use super::{Loader, ReadError, read_epoch, read_whole};
+    use super::{Loader, ReadError, ReadSample, read_epoch, read_whole};
 
     fn loader(workers: usize, batch_size: usize) -> Loader {
         Loader {
@@ -171,6 +209,24 @@ mod tests {
         (dir, paths)
     }
 
+    /// Reads sample i as `dir/paths[i]`, whole.
+    fn whole_files(dir: &Path, paths: &[PathBuf]) -> ReadSample {
+        let paths: Vec<PathBuf> = paths.iter().map(|p| dir.join(p)).collect();
+        Arc::new(move |_, i| {
+            let path = &paths[i as usize];
+            File::open(path)
+                .and_then(read_whole)
+                .map_err(|source| ReadError::Io {
+                    path: path.clone(),
+                    source,
+                })
+        })
+    }
+
+    fn no_cancel() -> Arc<AtomicBool> {
+        Arc::new(AtomicBool::new(false))
+    }
+
     #[test]
     fn reads_the_order_whole_and_counts_its_bytes() {
         let (dir, paths) = files(10);
@@ -179,13 +235,11 @@ mod tests {
         let bar = ProgressBar::hidden();
         for (workers, batch) in [(1, 1), (2, 3), (3, 32), (8, 2)] {
             let got = read_epoch(
-                dir.path(),
-                &paths,
                 &order,
                 &loader(workers, batch),
                 &bar,
-                &AtomicBool::new(false),
-                &read_whole,
+                &no_cancel(),
+                whole_files(dir.path(), &paths),
             )
             .unwrap();
             assert_eq!(got.files, 7, "{workers} workers, batch {batch}");
@@ -196,35 +250,29 @@ mod tests {
 
     #[test]
     fn batches_go_to_workers_round_robin_in_order() {
-        let (dir, paths) = files(12);
         let order: Vec<u32> = (0..12).rev().collect();
-        let reads = Mutex::new(Vec::new());
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        let record = reads.clone();
         let got = read_epoch(
-            dir.path(),
-            &paths,
             &order,
             &loader(2, 3),
             &ProgressBar::hidden(),
-            &AtomicBool::new(false),
-            &|w, path| {
-                reads.lock().unwrap().push((w, path.to_path_buf()));
+            &no_cancel(),
+            Arc::new(move |w, i| {
+                record.lock().unwrap().push((w, i));
                 Ok(1)
-            },
+            }),
         )
         .unwrap();
         assert_eq!((got.files, got.bytes), (12, 12));
         // Batches [11 10 9] [8 7 6] [5 4 3] [2 1 0]: worker 0 reads the first and third,
         // worker 1 the others, each in the sampler's order.
-        let reads = reads.into_inner().unwrap();
+        let reads = reads.lock().unwrap().clone();
         for (w, expected) in [(0, [11, 10, 9, 5, 4, 3]), (1, [8, 7, 6, 2, 1, 0])] {
-            let of_worker: Vec<PathBuf> = reads
+            let of_worker: Vec<u32> = reads
                 .iter()
                 .filter(|(r, _)| *r == w)
-                .map(|(_, p)| p.clone())
-                .collect();
-            let expected: Vec<PathBuf> = expected
-                .iter()
-                .map(|i| dir.path().join(format!("f{i}")))
+                .map(|(_, i)| *i)
                 .collect();
             assert_eq!(of_worker, expected, "worker {w}");
         }
@@ -232,17 +280,15 @@ mod tests {
 
     /// Reads files 0..4 of `paths` (in `dir`) with two workers, one sample per batch.
     fn read_four(dir: &Path, paths: &[PathBuf], cancelled: bool) -> Result<u64, ReadError> {
-        let cancel = AtomicBool::new(cancelled);
+        let cancel = Arc::new(AtomicBool::new(cancelled));
         let bar = ProgressBar::hidden();
         let order = [0, 1, 2, 3];
         read_epoch(
-            dir,
-            paths,
             &order,
             &loader(2, 1),
             &bar,
             &cancel,
-            &read_whole,
+            whole_files(dir, paths),
         )
         .map(|r| r.bytes)
     }
@@ -264,5 +310,34 @@ mod tests {
         let (dir, paths) = files(4);
         let err = read_four(dir.path(), &paths, true).unwrap_err();
         assert!(matches!(err, ReadError::Interrupted));
+    }
+
+    /// A worker stuck in a read (a FIFO, a hung file system) does not keep a cancelled epoch
+    /// from ending: it is left behind.
+    #[test]
+    fn a_cancelled_epoch_does_not_wait_for_a_stuck_read() {
+        let (release, stuck) = mpsc::channel::<()>();
+        let stuck = Mutex::new(stuck);
+        let (reading, started) = mpsc::channel();
+        let cancel = no_cancel();
+        let flag = cancel.clone();
+        std::thread::spawn(move || {
+            started.recv().unwrap();
+            flag.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let err = read_epoch(
+            &[0, 1],
+            &loader(1, 1),
+            &ProgressBar::hidden(),
+            &cancel,
+            Arc::new(move |_, _| {
+                let _ = reading.send(());
+                let _ = stuck.lock().unwrap().recv();
+                Ok(1)
+            }),
+        )
+        .unwrap_err();
+        assert!(matches!(err, ReadError::Interrupted), "{err}");
+        drop(release);
     }
 }

@@ -11,7 +11,7 @@
 
 use std::path::PathBuf;
 
-use crate::catalog::{Catalog, Layout, LayoutError, LayoutKind, LayoutSpec, ROOT};
+use crate::catalog::{Catalog, FileId, Layout, LayoutError, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
 /// How much of SOURCE to read.
@@ -30,6 +30,8 @@ pub enum SubsetSize {
 pub struct Subset {
     /// Paths relative to SOURCE; line i of the mount's list file, sample i of every reader.
     pub paths: Vec<PathBuf>,
+    /// Their catalog entries: what each must still be when it is read.
+    pub files: Vec<FileId>,
     /// Their total size.
     pub bytes: u64,
     /// The class folders chosen, in the dataset's order; empty for a flat dataset.
@@ -102,6 +104,7 @@ pub fn choose(
             .filter_map(|&f| catalog.entry(f))
             .map(|e| e.size)
             .sum(),
+        files,
         classes,
         classes_in_source: class_names.len(),
     })

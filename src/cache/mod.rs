@@ -53,7 +53,7 @@ use manifest::write_manifest;
 use open_copies::OpenCopies;
 pub use open_copies::OpenCopy;
 use root::mkdir_private;
-pub use root::{check_root, prepare, remove_if_made_here};
+pub use root::{check_parents, check_root, prepare, remove_if_made_here};
 
 /// stagefs's own directory inside CACHE: everything it writes lives there, so a directory
 /// it did not create is never emptied or chmod'ed.

@@ -48,8 +48,9 @@ pub fn check_root(root: &Path) -> Result<(), CacheError> {
 
 /// Every directory above `root`, as written and with links resolved, must be changeable by
 /// root or the daemon's user alone: anyone else could rename the cache away and put their
-/// own directory in its place between two checks.
-fn check_parents(root: &Path) -> Result<(), CacheError> {
+/// own directory in its place between two checks. (`stagefs bench` holds the directory it
+/// works in to the same rule.)
+pub fn check_parents(root: &Path) -> Result<(), CacheError> {
     let abs = std::path::absolute(root).map_err(io_err(root))?;
     let mut dirs: Vec<PathBuf> = abs.ancestors().skip(1).map(Path::to_path_buf).collect();
     if let Some(real) = dirs.iter().find_map(|d| fs::canonicalize(d).ok()) {

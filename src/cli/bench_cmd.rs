@@ -163,7 +163,7 @@ fn chart_path(json: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// A flag set once SIGINT, SIGTERM or SIGHUP arrives, so the benchmark (or the demo) stops
-/// between batches and removes its mounts and files instead of dying with them in place.
+/// what it waits on and removes its mounts and files instead of dying with them in place.
 /// Call it before any other thread exists, so every thread inherits the mask and only the
 /// waiter here takes the signals.
 pub(super) fn cancel_on_signal() -> Arc<AtomicBool> {

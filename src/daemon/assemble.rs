@@ -12,7 +12,8 @@ use fuser::{Config, MountOption, SessionACL};
 
 use super::checks::{absolute_for_new, claim_mountpoint, preflight};
 use super::lifecycle::{RunningMount, block_termination_signals};
-use super::{Capacity, Lookahead, MountConfig, MountError, mounts};
+use super::mounts::HeldMount;
+use super::{Capacity, Lookahead, MountConfig, MountError};
 use crate::cache::{CacheDir, index_path};
 use crate::catalog::{Catalog, Datasets, IndexError, LayoutSpec, ROOT, index};
 use crate::control::{ControlServer, Limits, MountControl};
@@ -27,6 +28,10 @@ use crate::sys;
 const FREE_SHARE: f64 = 0.10;
 /// Shortest open timeout: zero would fail every open that has to wait at all.
 const MIN_OPEN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long finding the mount just made may take (path lookups of the mountpoint, made in a
+/// child process: see [`HeldMount::find`]).
+const HOLD_WAIT: Duration = Duration::from_secs(10);
 
 /// Builds catalog, plan, cache and stager, and mounts.
 pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
@@ -293,11 +298,13 @@ fn mount_fuse(
             path: mountpoint.clone(),
             source: e,
         })?;
-    // Under the claim, the FUSE mount on top at the mountpoint is the one just made.
-    let mount = mounts::at(&mountpoint)
-        .into_iter()
-        .rfind(|m| m.fstype.starts_with("fuse"))
+    // Under the claim, the FUSE mount on top at the mountpoint is the one just made: held by
+    // identity from now on, its root let go (held, it would be busy for its own unmount).
+    let mut mount = HeldMount::find(&mountpoint, HOLD_WAIT)
+        .ok()
+        .filter(|m| m.entry.fstype.starts_with("fuse"))
         .ok_or_else(|| MountError::MountNotListed(mountpoint.clone()))?;
+    mount.unpin();
     log::info!("passthrough in use: {}", passthrough.load(Ordering::SeqCst));
     Ok(RunningMount {
         session,

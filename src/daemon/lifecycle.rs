@@ -6,22 +6,19 @@ use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::io::{FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::mounts::{self, MountEntry};
+use super::mounts::{self, ChildError, HeldMount};
 use super::{MountConfig, MountError, checks, logging, start};
 use crate::control::ControlServer;
 use crate::fs::{MountedDataset, StageFs};
 
 /// The daemon reports readiness on the inherited file descriptor this variable names.
 const READY_FD_ENV: &str = "STAGEFS_READY_FD";
-/// The detached daemon's mount point, resolved, in its environment: how `stagefs unmount`
-/// finds a daemon that cannot answer (stopped), whose command line has the paths as typed.
-pub const MOUNTPOINT_ENV: &str = "STAGEFS_MOUNTPOINT";
 /// How long a stopping daemon keeps serving files still open on its lazily detached mount.
 const LAZY_WAIT: Duration = Duration::from_secs(10);
 /// How often the daemon checks whether its mount was removed from outside.
@@ -36,10 +33,11 @@ pub struct RunningMount {
     pub passthrough: Arc<AtomicBool>,
     /// Absolute (the daemon leaves its starting directory).
     pub mountpoint: PathBuf,
-    /// The mount this daemon made, as /proc/self/mountinfo lists it: the only one it may
-    /// unmount. The path alone is not enough: after `umount MNT` from outside, a new mount
-    /// (another stagefs, a tmpfs) may be there by the time this daemon exits.
-    pub mount: MountEntry,
+    /// The mount this daemon made, held by identity: the only one it may unmount. The path
+    /// alone is not enough: after `umount MNT` from outside, a new mount (another stagefs, a
+    /// tmpfs) may be there by the time this daemon exits, and a directory above it may have
+    /// been swapped for a link to another mount's.
+    pub mount: HeldMount,
 }
 
 impl RunningMount {
@@ -55,19 +53,11 @@ impl RunningMount {
             ..
         } = self;
         drop(control);
-        // umount2 goes by path: only while the mount on top there is ours. Once the kernel
-        // has ended our session, ours is gone and its ID and device may be a new mount's.
-        if session.guard.is_finished() {
-            // Nothing to unmount.
-        } else if mounts::on_top(&mountpoint, &mount) {
-            if let Err(e) = detach(&mountpoint) {
-                log::warn!("unmounting {}: {e}", mountpoint.display());
-            }
-        } else {
-            log::warn!(
-                "this mount is no longer the one on top at {}: not unmounting by path",
-                mountpoint.display()
-            );
+        // Once the kernel has ended our session, ours is gone: nothing to unmount.
+        if !session.guard.is_finished()
+            && let Err(e) = detach(&mount)
+        {
+            log::warn!("unmounting {}: {e}", mountpoint.display());
         }
         let deadline = Instant::now() + LAZY_WAIT;
         while !session.guard.is_finished() && Instant::now() < deadline {
@@ -90,30 +80,42 @@ impl RunningMount {
     }
 }
 
-/// Takes the mount out of the namespace. A reader holding a file open makes a plain unmount
-/// fail with EBUSY, and exiting then would leave a dead mount behind (ENOTCONN for everyone
-/// until someone unmounts it): the mount is then detached lazily, so it disappears at once
-/// and the open files keep working until they are closed. (`stagefs unmount` reports a busy
-/// mount instead: its user can close the files.)
-fn detach(mountpoint: &Path) -> std::io::Result<()> {
-    let Err(err) = mounts::umount(mountpoint, 0) else {
-        return Ok(());
-    };
-    match err.raw_os_error() {
-        Some(libc::EBUSY) => {
+/// Takes the mount out of the namespace, only while it is the mount on top where it was
+/// made. A reader holding a file open makes a plain unmount fail with EBUSY, and exiting then
+/// would leave a dead mount behind (ENOTCONN for everyone until someone unmounts it): the
+/// mount is then detached lazily, so it disappears at once and the open files keep working
+/// until they are closed. (`stagefs unmount` reports a busy mount instead: its user can close
+/// the files.)
+fn detach(mount: &HeldMount) -> Result<(), ChildError> {
+    let path = &mount.entry.path;
+    match mount.unmount(0, LAZY_WAIT) {
+        Err(ChildError::Io(e)) if e.raw_os_error() == Some(libc::EBUSY) => {
             log::warn!(
                 "{} is busy (a reader holds a file open): detaching it lazily",
-                mountpoint.display()
+                path.display()
             );
-            mounts::umount(mountpoint, libc::MNT_DETACH)
+            mount.unmount(libc::MNT_DETACH, LAZY_WAIT)
         }
-        // Already unmounted from outside (`fusermount3 -u`, `umount`).
-        Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(()),
-        // Not privileged: the setuid helper unmounts for us, lazily if it must.
-        Some(libc::EPERM) => mounts::run_helper(mounts::FUSERMOUNT, &["-u"], mountpoint)
-            .or_else(|_| mounts::run_helper(mounts::FUSERMOUNT, &["-u", "-z"], mountpoint))
-            .map_err(std::io::Error::other),
-        _ => Err(err),
+        // Unmounted from outside (`fusermount3 -u`, `umount`), maybe with another mount there
+        // since: nothing of ours to take.
+        Err(ChildError::Replaced) => {
+            log::warn!(
+                "this mount is no longer the one on top at {}: not unmounting what is there",
+                path.display()
+            );
+            Ok(())
+        }
+        Err(ChildError::Io(e)) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
+            Ok(())
+        }
+        // Not privileged: the setuid helper unmounts for us (only its user's own FUSE
+        // mounts), lazily if it must.
+        Err(ChildError::Io(e)) if e.raw_os_error() == Some(libc::EPERM) => {
+            mounts::run_helper(mounts::FUSERMOUNT, &["-u"], path)
+                .or_else(|_| mounts::run_helper(mounts::FUSERMOUNT, &["-u", "-z"], path))
+                .map_err(|e| ChildError::Io(std::io::Error::other(e)))
+        }
+        other => other,
     }
 }
 
@@ -212,11 +214,7 @@ fn spawn_daemon(config: &MountConfig) -> Result<(), MountError> {
     let (read_fd, write_fd) = (fds[0], fds[1]);
     // SAFETY: read_fd was just created and is owned here alone (closed on every return).
     let reader = BufReader::new(unsafe { fs::File::from_raw_fd(read_fd) });
-    let child = daemon_command(write_fd).and_then(|mut cmd| {
-        cmd.env(MOUNTPOINT_ENV, mounts::resolve(&config.mountpoint))
-            .spawn()
-            .map_err(MountError::Spawn)
-    });
+    let child = daemon_command(write_fd).and_then(|mut cmd| cmd.spawn().map_err(MountError::Spawn));
     // SAFETY: closing our copy of the write end so EOF arrives if the daemon dies.
     unsafe { libc::close(write_fd) };
     let mut child = child?;

@@ -1,20 +1,31 @@
-//! The mount table, read from /proc/self/mountinfo without touching the mounts themselves.
+//! The mount table, read from /proc/self/mountinfo without touching the mounts themselves,
+//! and a mount held by identity so it can be acted on without trusting a path twice.
 //!
 //! A FUSE mount whose daemon is stopped or wedged blocks every call that reaches it (stat,
 //! getxattr, even a path lookup that ends on it), so the commands that must answer about such
 //! a mount find it here, identify it by mount ID and device (not by path, which a later mount
 //! can take over), bound each call that has to reach it, and can abort its connection through
 //! fusectl. The daemon (unmounting its own mount) and `stagefs unmount` share it.
+//!
+//! [`HeldMount`] is how `stagefs unmount`, run as root on a path others may change, acts only
+//! on the mount it identified: the mount a path leads to is found by the kernel's mount ID
+//! (statx), held by a descriptor of its root and one of the directory it is mounted on, and
+//! every later call (the daemon's answer, umount2) is made on it by name in that directory,
+//! right after checking that the mount on top there is still the same one, in a child process
+//! that is abandoned if it does not answer. Its daemon is the process the kernel shows holding
+//! its FUSE connection, owned by the mount's owner: never a process that only claims to be.
 
-use std::ffi::{CString, OsString};
+use std::ffi::{CStr, CString, OsStr};
 use std::fs;
-use std::io::{self, Read};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStringExt;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use crate::sys::{self, MountOf};
 
 /// One line of /proc/self/mountinfo: what identifies a mount and where it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,27 +37,34 @@ pub struct MountEntry {
     pub minor: u32,
     pub fstype: String,
     pub path: PathBuf,
+    /// A FUSE mount's `user_id=`: the user who mounted it, whose daemon serves it.
+    pub owner: Option<u32>,
 }
 
 impl MountEntry {
-    /// One line, as bytes: a mount point is any path, UTF-8 or not (anyone may mount a FUSE
-    /// file system at a name of their choosing in a directory of theirs).
+    /// Parses one line, kept as bytes: a mount point's name need not be UTF-8.
     fn parse(line: &[u8]) -> Option<MountEntry> {
         let mut fields = line.split(|&b| b == b' ');
-        let text = |field: &[u8]| std::str::from_utf8(field).ok().map(str::to_owned);
+        let text = |field: &[u8]| std::str::from_utf8(field).ok().map(str::to_string);
         let id = text(fields.next()?)?.parse().ok()?;
         let device = text(fields.nth(1)?)?;
         let (major, minor) = device.split_once(':')?;
-        let path = PathBuf::from(OsString::from_vec(unescape(fields.nth(1)?)));
-        // Optional fields end at the "-" separator; the file system type follows it.
-        let fstype =
-            String::from_utf8_lossy(fields.skip_while(|f| *f != b"-").nth(1)?).into_owned();
+        let path = PathBuf::from(OsStr::from_bytes(&unescape(fields.nth(1)?)));
+        // Optional fields end at the "-" separator; type, source and options follow it.
+        let mut after = fields.skip_while(|f| *f != b"-").skip(1);
+        let fstype = String::from_utf8_lossy(&unescape(after.next()?)).into_owned();
+        let options = after.nth(1).map(unescape).unwrap_or_default();
+        let owner = options
+            .split(|&b| b == b',')
+            .find_map(|o| o.strip_prefix(b"user_id="))
+            .and_then(|uid| std::str::from_utf8(uid).ok()?.parse().ok());
         Some(MountEntry {
             id,
             major: major.parse().ok()?,
             minor: minor.parse().ok()?,
             fstype,
             path,
+            owner,
         })
     }
 }
@@ -78,11 +96,6 @@ impl MountEntry {
     pub fn same(&self, other: &MountEntry) -> bool {
         (self.id, self.major, self.minor) == (other.id, other.major, other.minor)
     }
-}
-
-/// Whether `mount` is still the one on top at `path`: only then may it be unmounted by path.
-pub fn on_top(path: &Path, mount: &MountEntry) -> bool {
-    at(path).last().is_some_and(|m| m.same(mount))
 }
 
 /// Whether `mount` is still in the table.
@@ -124,18 +137,18 @@ fn resolve_links(path: &Path, hops: u32) -> PathBuf {
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(b.len());
+fn unescape(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len());
     let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+    while i < s.len() {
+        if s[i] == b'\\'
+            && i + 3 < s.len()
+            && s[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
         {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            out.push((s[i + 1] - b'0') * 64 + (s[i + 2] - b'0') * 8 + (s[i + 3] - b'0'));
             i += 4;
         } else {
-            out.push(b[i]);
+            out.push(s[i]);
             i += 1;
         }
     }
@@ -159,18 +172,84 @@ pub fn bounded<T: Send + 'static>(
     rx.recv_timeout(limit).ok()
 }
 
-/// The largest attribute value [`bounded_getxattr`] reads (statistics are a few KiB).
+/// The largest attribute value a child reads (statistics are a few KiB).
 const XATTR_MAX: usize = 64 * 1024;
 
-/// getxattr(2) of `path`'s attribute `name`, made by a child process and waited for at most
-/// `limit`; None if it did not answer in time. A process, not a thread: a daemon stopped just
-/// after it read the request (SIGSTOP arrives asynchronously) leaves the call in an
-/// uninterruptible wait that no signal ends, and a thread in it would keep this whole process
-/// from exiting. The child is left behind, blocked until the daemon resumes or its connection
-/// is aborted (`stagefs unmount`).
+/// Why a call made in a child process (see [`in_child`]) did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChildError {
+    /// It did not return in time: a FUSE daemon that does not answer.
+    #[error("did not answer within {0:?}")]
+    NoAnswer(Duration),
+    /// The mount on top where the [`HeldMount`] was is another one now, or none.
+    #[error("is no longer the mount there")]
+    Replaced,
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+/// The first bytes of a child's answer: ≥ 0 for success (the length of what follows), < 0
+/// for minus the errno, or [`REPLACED`].
+type Code = i64;
+const REPLACED: Code = Code::MIN;
+
+/// Sends a child's outcome: `result` (the value's length, or why it failed), then `value`
+/// and, with the first byte, `fd`. Allocates nothing.
+fn answer(
+    sock: BorrowedFd<'_>,
+    result: Result<usize, ChildError>,
+    value: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) {
+    let code: Code = match &result {
+        Ok(len) => *len as Code,
+        Err(ChildError::Replaced) => REPLACED,
+        Err(ChildError::Io(e)) => -Code::from(e.raw_os_error().unwrap_or(libc::EIO)),
+        Err(ChildError::NoAnswer(_)) => -Code::from(libc::ETIMEDOUT),
+    };
+    sys::send_answer(sock, &code.to_ne_bytes(), fd);
+    if let Ok(len) = result {
+        sys::send_answer(sock, &value[..len.min(value.len())], None);
+    }
+}
+
+/// Runs `body` in a forked child ([`sys::fork_child`]: only `keep` stays open there) and
+/// waits at most `limit` for its [`answer`]: the value and the descriptor it sent. A process,
+/// not a thread: a FUSE daemon stopped just after it read the request (SIGSTOP arrives
+/// asynchronously) leaves the call in an uninterruptible wait that no signal ends, and a
+/// thread in it would keep this whole process from exiting. The child is left behind,
+/// blocked until the daemon resumes or its connection is aborted (`stagefs unmount`).
+///
+/// # Safety
+/// As for [`sys::fork_child`]: `body` makes only async-signal-safe calls on memory prepared
+/// before the call.
+unsafe fn in_child(
+    keep: Option<BorrowedFd<'_>>,
+    limit: Duration,
+    body: impl FnOnce(BorrowedFd<'_>),
+) -> Result<(Vec<u8>, Option<OwnedFd>), ChildError> {
+    let deadline = Instant::now() + limit;
+    // SAFETY: the caller vouches for `body`.
+    let (child, sock) = unsafe { sys::fork_child(keep, body) }?;
+    let (mut bytes, fd) = sys::read_answer(&sock, deadline).ok_or(ChildError::NoAnswer(limit))?;
+    // It has written everything, so it is exiting: reap it.
+    sys::reap(child);
+    if bytes.len() < size_of::<Code>() {
+        return Err(io::Error::from_raw_os_error(libc::EIO).into());
+    }
+    let value = bytes.split_off(size_of::<Code>());
+    match Code::from_ne_bytes(bytes.try_into().expect("a code's bytes")) {
+        REPLACED => Err(ChildError::Replaced),
+        errno if errno < 0 => Err(io::Error::from_raw_os_error((-errno) as i32).into()),
+        _ => Ok((value, fd)),
+    }
+}
+
+/// getxattr(2) of `path`'s attribute `name` (following links), made by a child process and
+/// waited for at most `limit` (see [`in_child`]); None if it did not answer in time.
 pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::Result<Vec<u8>>> {
     let invalid = || Some(Err(io::Error::from_raw_os_error(libc::EINVAL)));
-    let Ok(c_path) = crate::sys::c_path(path) else {
+    let Ok(c_path) = sys::c_path(path) else {
         return invalid();
     };
     let Ok(c_name) = CString::new(name) else {
@@ -178,120 +257,288 @@ pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::
     };
     // Everything the child touches is made before the fork: after it, only system calls.
     let mut value = vec![0u8; XATTR_MAX];
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into the array we own.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Some(Err(io::Error::last_os_error()));
-    }
-    // SAFETY: from here on the child only makes async-signal-safe calls on memory prepared
-    // above (getxattr, write, _exit), so forking a multi-threaded process is sound.
-    let child = unsafe { libc::fork() };
-    if child == 0 {
-        // SAFETY: system calls only (close_range, getxattr, write, _exit), on the C strings
-        // and buffers made before the fork.
-        unsafe {
-            // Nothing inherited stays open but the answer's pipe: a child left blocked must not
-            // hold the caller's stdout or stderr (a `stagefs stats | ...` pipeline would not end).
-            let keep = fds[1] as libc::c_uint;
-            if keep > 0 {
-                libc::syscall(libc::SYS_close_range, 0 as libc::c_uint, keep - 1, 0);
-            }
-            libc::syscall(libc::SYS_close_range, keep + 1, libc::c_uint::MAX, 0);
-            let len = libc::getxattr(
-                c_path.as_ptr(),
-                c_name.as_ptr(),
-                value.as_mut_ptr().cast(),
-                value.len(),
-            );
-            let errno = if len < 0 {
-                *libc::__errno_location()
-            } else {
-                0
-            };
-            let header = [len as i64, errno as i64];
-            write_all_raw(
-                fds[1],
-                header.as_ptr().cast(),
-                std::mem::size_of_val(&header),
-            );
-            if len > 0 {
-                write_all_raw(fds[1], value.as_ptr(), len as usize);
-            }
-            libc::_exit(0);
-        }
-    }
-    // SAFETY: both descriptors are ours; the parent only reads.
-    let (read_end, write_end) =
-        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    drop(write_end);
-    if child < 0 {
-        return Some(Err(io::Error::last_os_error()));
-    }
-    let mut answer = read_until(read_end, Instant::now() + limit)?;
-    // It has written everything, so it is exiting: reap it.
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
-    if answer.len() < 16 {
-        return Some(Err(io::Error::from_raw_os_error(libc::EIO)));
-    }
-    let len = i64::from_ne_bytes(answer[..8].try_into().expect("8 bytes"));
-    let errno = i64::from_ne_bytes(answer[8..16].try_into().expect("8 bytes"));
-    if len < 0 {
-        return Some(Err(io::Error::from_raw_os_error(errno as i32)));
-    }
-    Some(Ok(answer.split_off(16)))
-}
-
-/// Writes `len` bytes at `buf` to `fd`, using system calls only (for a forked child).
-///
-/// # Safety
-/// `buf` must be valid for `len` bytes.
-unsafe fn write_all_raw(fd: i32, mut buf: *const u8, mut len: usize) {
-    while len > 0 {
-        // SAFETY: the caller vouches for the buffer.
-        let n = unsafe { libc::write(fd, buf.cast(), len) };
-        if n <= 0 {
-            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return;
-        }
-        // SAFETY: n <= len bytes were written from the buffer.
-        buf = unsafe { buf.add(n as usize) };
-        len -= n as usize;
+    // SAFETY: the child makes one getxattr into the buffer above and answers.
+    let answered = unsafe {
+        in_child(None, limit, |sock| {
+            let len = sys::getxattr(&c_path, &c_name, &mut value, true);
+            answer(sock, len.map_err(ChildError::from), &value, None);
+        })
+    };
+    match answered {
+        Ok((value, _)) => Some(Ok(value)),
+        Err(ChildError::NoAnswer(_)) => None,
+        Err(ChildError::Io(e)) => Some(Err(e)),
+        Err(ChildError::Replaced) => unreachable!("only a held mount's calls answer that"),
     }
 }
 
-/// Everything written to `pipe` until its writer closes it, or None at `deadline`.
-fn read_until(pipe: OwnedFd, deadline: Instant) -> Option<Vec<u8>> {
-    let mut file = fs::File::from(pipe);
-    let mut answer = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut poll = libc::pollfd {
-            fd: file.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+/// Why [`HeldMount::find`] found no mount to hold.
+#[derive(Debug, thiserror::Error)]
+pub enum FindError {
+    #[error("is not a mount point")]
+    NotAMountPoint,
+    #[error(
+        "did not answer within {0:?} (a path through a FUSE mount whose daemon is stopped?): give the mount point itself"
+    )]
+    NoAnswer(Duration),
+    #[error(
+        "is mounted at {0}, which cannot be reached from there now (a directory above it was moved or replaced): try again"
+    )]
+    Unreachable(PathBuf),
+    #[error("cannot tell which mount it is: {0}")]
+    Io(io::Error),
+}
+
+/// What a child does at a held mount, after checking that the mount on top at its name in the
+/// directory it is mounted on is still the one held.
+#[derive(Clone, Copy)]
+enum AtMount<'a> {
+    /// Nothing more.
+    Check,
+    /// Opens the mount's root (O_PATH) and sends it.
+    Pin,
+    /// Reads attribute NAME of the mount's root.
+    Getxattr(&'a CStr),
+    /// umount2(2) with these flags.
+    Unmount(libc::c_int),
+}
+
+/// A mount found from a path and held by identity (see the module's note).
+pub struct HeldMount {
+    /// Its line in the mount table, found by its ID.
+    pub entry: MountEntry,
+    of: MountOf,
+    /// The directory it is mounted on, and its name there.
+    dir: OwnedFd,
+    name: CString,
+    /// Its root, while held: the mount, and so its ID and device number, cannot pass to
+    /// another mount meanwhile (a plain unmount finds it busy, so it is let go before one).
+    root: Option<OwnedFd>,
+}
+
+impl HeldMount {
+    /// Holds the mount `path` leads to (links followed, as for every command), which `path`
+    /// must be the root of. Each lookup of a path is made in a child waited for at most
+    /// `limit`: a path through a mount whose daemon is stopped must not hang this process.
+    pub fn find(path: &Path, limit: Duration) -> Result<HeldMount, FindError> {
+        let root = open_in_child(path, libc::O_PATH, limit)?;
+        let of = sys::mount_of(root.as_fd(), c"").map_err(FindError::Io)?;
+        if !of.is_root {
+            return Err(FindError::NotAMountPoint);
+        }
+        let entry = (table().into_iter())
+            .find(|m| m.id == of.id && (m.major, m.minor) == of.dev)
+            .ok_or(FindError::NotAMountPoint)?;
+        let (Some(parent), Some(name)) = (entry.path.parent(), entry.path.file_name()) else {
+            return Err(FindError::NotAMountPoint); // the root of everything
         };
-        let millis = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one pollfd we own.
-        let ready = unsafe { libc::poll(&mut poll, 1, millis) };
-        if ready == 0 {
-            return None;
+        let dir = open_in_child(parent, libc::O_PATH | libc::O_DIRECTORY, limit)?;
+        let held = HeldMount {
+            name: CString::new(name.as_bytes()).map_err(|_| FindError::NotAMountPoint)?,
+            entry,
+            of,
+            dir,
+            root: Some(root),
+        };
+        match held.at(AtMount::Check, limit) {
+            Ok(_) => Ok(held),
+            Err(ChildError::NoAnswer(limit)) => Err(FindError::NoAnswer(limit)),
+            Err(ChildError::Replaced) => Err(FindError::Unreachable(held.entry.path)),
+            Err(ChildError::Io(e)) => Err(FindError::Io(e)),
         }
-        if ready < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
+    }
+
+    /// Makes `what` at the mount in a child waited for at most `limit` (see [`AtMount`]).
+    fn at(
+        &self,
+        what: AtMount<'_>,
+        limit: Duration,
+    ) -> Result<(Vec<u8>, Option<OwnedFd>), ChildError> {
+        let (dir, name, held) = (self.dir.as_fd(), self.name.as_c_str(), self.of);
+        let mut value = match what {
+            AtMount::Getxattr(_) => vec![0u8; XATTR_MAX],
+            _ => Vec::new(),
+        };
+        let is_held = move |found: io::Result<MountOf>| match found {
+            Ok(found) if found.is_root && found.same(&held) => Ok(()),
+            Ok(_) => Err(ChildError::Replaced),
+            Err(e) => Err(ChildError::Io(e)),
+        };
+        // SAFETY: the child makes only system calls (fchdir, statx, openat, getxattr,
+        // umount2, sendmsg) on the names and buffers made above.
+        unsafe {
+            in_child(Some(dir), limit, |sock| {
+                let on_top = sys::fchdir(dir)
+                    .map_err(ChildError::from)
+                    .and_then(|()| is_held(sys::mount_of(dir, name)));
+                let (result, fd) = match (on_top, what) {
+                    (Err(e), _) => (Err(e), None),
+                    (Ok(()), AtMount::Check) => (Ok(0), None),
+                    (Ok(()), AtMount::Pin) => {
+                        let flags = libc::O_PATH | libc::O_NOFOLLOW;
+                        match sys::openat(Some(dir), name, flags) {
+                            // Opened after the check: what it opened must be the mount too.
+                            Ok(fd) => match is_held(sys::mount_of(fd.as_fd(), c"")) {
+                                Ok(()) => (Ok(0), Some(fd)),
+                                Err(e) => (Err(e), None),
+                            },
+                            Err(e) => (Err(e.into()), None),
+                        }
+                    }
+                    (Ok(()), AtMount::Getxattr(attr)) => (
+                        sys::getxattr(name, attr, &mut value, false).map_err(Into::into),
+                        None,
+                    ),
+                    (Ok(()), AtMount::Unmount(flags)) => {
+                        let done = sys::umount2(name, flags | libc::UMOUNT_NOFOLLOW);
+                        (done.map(|()| 0).map_err(Into::into), None)
+                    }
+                };
+                answer(sock, result, &value, fd.as_ref().map(AsFd::as_fd));
+            })
+        }
+    }
+
+    /// Attribute `name` of the mount's root, as its daemon answers it.
+    pub fn getxattr(&self, name: &str, limit: Duration) -> Result<Vec<u8>, ChildError> {
+        let name = CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        self.at(AtMount::Getxattr(&name), limit)
+            .map(|(value, _)| value)
+    }
+
+    /// umount2(2) of this mount with `flags`, only while it is the mount on top where it was.
+    pub fn unmount(&self, flags: libc::c_int, limit: Duration) -> Result<(), ChildError> {
+        self.at(AtMount::Unmount(flags), limit).map(drop)
+    }
+
+    /// Holds the mount's root again (see [`HeldMount::root`]).
+    pub fn pin(&mut self, limit: Duration) -> Result<(), ChildError> {
+        if self.root.is_none() {
+            let (_, fd) = self.at(AtMount::Pin, limit)?;
+            self.root = Some(fd.ok_or(io::Error::from_raw_os_error(libc::EIO))?);
+        }
+        Ok(())
+    }
+
+    /// Lets the mount's root go, so a plain unmount does not find the mount busy and, once
+    /// unmounted, its file system can end.
+    pub fn unpin(&mut self) {
+        self.root = None;
+    }
+
+    /// Aborts the mount's FUSE connection ([`abort_connection`]), holding its root first so
+    /// the connection number is surely still its own.
+    pub fn abort_connection(&mut self, limit: Duration) -> Result<(), AbortError> {
+        self.pin(limit).map_err(AbortError::Held)?;
+        abort_connection(&self.entry)
+    }
+
+    /// The processes serving this mount's FUSE connection, as the kernel shows them: each
+    /// holds a /dev/fuse descriptor whose fdinfo names the connection (Linux 6.16 and
+    /// later: none before), and is owned by the mount's owner. Nothing a process can claim
+    /// (its name, arguments, environment, or an attribute the mount answers) counts.
+    /// Asked while the root is held, so the connection number is surely this mount's.
+    pub fn servers(&self) -> Vec<Server> {
+        let Some(owner) = self.entry.owner else {
+            return Vec::new();
+        };
+        // fdinfo prints the kernel's dev_t: the major number above 20 bits of minor.
+        let connection = (u64::from(self.entry.major) << 20) | u64::from(self.entry.minor);
+        let line = format!("fuse_connection:\t{connection}");
+        fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter_map(|pid| Server::verified(pid, owner, |dir| holds(dir, &line)))
+            .collect()
+    }
+}
+
+/// Opens `path` (links followed) with `flags` in a child waited for at most `limit`.
+fn open_in_child(path: &Path, flags: libc::c_int, limit: Duration) -> Result<OwnedFd, FindError> {
+    let c_path = sys::c_path(path).map_err(FindError::Io)?;
+    // SAFETY: the child makes one openat on the path made above and answers.
+    let answered = unsafe {
+        in_child(None, limit, |sock| {
+            match sys::openat(None, &c_path, flags) {
+                Ok(fd) => answer(sock, Ok(0), &[], Some(fd.as_fd())),
+                Err(e) => answer(sock, Err(e.into()), &[], None),
             }
-            return None;
+        })
+    };
+    match answered {
+        Ok((_, Some(fd))) => Ok(fd),
+        Ok((_, None)) => Err(FindError::Io(io::Error::from_raw_os_error(libc::EIO))),
+        Err(ChildError::NoAnswer(limit)) => Err(FindError::NoAnswer(limit)),
+        Err(ChildError::Io(e))
+            if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) =>
+        {
+            Err(FindError::NotAMountPoint)
         }
-        match file.read(&mut chunk) {
-            Ok(0) => return Some(answer),
-            Ok(n) => answer.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return Some(answer),
-        }
+        Err(ChildError::Io(e)) => Err(FindError::Io(e)),
+        Err(ChildError::Replaced) => unreachable!("only a held mount's calls answer that"),
+    }
+}
+
+/// Whether the process whose /proc directory is `proc_dir` holds a descriptor whose fdinfo
+/// has `line`. fdinfo is the kernel's own account; reading it never waits on the process.
+fn holds(proc_dir: &Path, line: &str) -> bool {
+    let Ok(fds) = fs::read_dir(proc_dir.join("fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        let info = fs::read_to_string(proc_dir.join("fdinfo").join(fd.file_name()));
+        info.is_ok_and(|info| info.lines().any(|l| l == line))
+    })
+}
+
+/// A process held by a pidfd, so neither a signal nor a wait can reach another process that
+/// got its pid after it exited.
+pub struct Server {
+    pub pid: i32,
+    pidfd: OwnedFd,
+}
+
+impl Server {
+    /// Process `pid` if it is owned by `owner` (real and effective uid) and `serves` its /proc
+    /// directory; checked after its pidfd is taken and confirmed alive after, so what was
+    /// checked is the process held.
+    fn verified(pid: i32, owner: u32, serves: impl Fn(&Path) -> bool) -> Option<Server> {
+        let pidfd = sys::pidfd_open(pid).ok()?;
+        let dir = PathBuf::from(format!("/proc/{pid}"));
+        let status = fs::read_to_string(dir.join("status")).ok()?;
+        let uids = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+        let mut uids = uids.split_whitespace().map(str::parse::<u32>);
+        let owned = uids.next()?.ok()? == owner && uids.next()?.ok()? == owner;
+        (owned && serves(&dir) && sys::pidfd_signal(pidfd.as_fd(), 0).is_ok())
+            .then_some(Server { pid, pidfd })
+    }
+
+    /// Process `pid`, which a mount owned by `owner` says serves it, if `owner` owns it: only
+    /// to wait for, on kernels that do not show who serves a connection (see
+    /// [`HeldMount::servers`]), never to signal.
+    pub fn claimed(pid: i32, owner: Option<u32>) -> Option<Server> {
+        Server::verified(pid, owner?, |_| true)
+    }
+
+    /// Whether it is stopped (state T: SIGSTOP, Ctrl-Z).
+    pub fn stopped(&self) -> bool {
+        let stat = fs::read(format!("/proc/{}/stat", self.pid)).unwrap_or_default();
+        let state = sys::proc_stat_fields(&stat).and_then(|mut f| f.next());
+        state == Some(b"T") && sys::pidfd_signal(self.pidfd.as_fd(), 0).is_ok()
+    }
+
+    /// Continues it (SIGCONT).
+    pub fn resume(&self) -> io::Result<()> {
+        sys::pidfd_signal(self.pidfd.as_fd(), libc::SIGCONT)
+    }
+
+    /// Waits until `deadline` for it to exit; whether it did. A zombie has exited: a reaper
+    /// that does not reap (a container's init) must not make the caller wait.
+    pub fn exited_by(&self, deadline: Instant) -> bool {
+        let left = deadline.saturating_duration_since(Instant::now());
+        sys::poll_readable(self.pidfd.as_fd(), left).unwrap_or(false)
     }
 }
 
@@ -303,6 +550,8 @@ const FUSECTL: &str = "/sys/fs/fuse/connections";
 pub enum AbortError {
     #[error("cannot mount fusectl at {FUSECTL}: {0}")]
     MountFusectl(std::io::Error),
+    #[error("cannot hold the mount: {0}")]
+    Held(ChildError),
     #[error("cannot write {path}: {source}")]
     Write {
         path: String,
@@ -335,18 +584,6 @@ pub fn abort_connection(mount: &MountEntry) -> Result<(), AbortError> {
         path: abort,
         source,
     })
-}
-
-/// Calls umount2(2) on `path`.
-pub fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: valid C string.
-    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 /// FUSE's setuid unmount helper: what may unmount a FUSE mount without root.
@@ -397,27 +634,17 @@ mod tests {
     #[test]
     fn parses_mountinfo_lines() {
         let m = MountEntry::parse(
-            b"812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0",
+            b"812 30 0:97 / /tmp/a\\040b rw,nosuid,nodev,relatime shared:5 master:1 - fuse.stagefs /src rw,user_id=0,group_id=0",
         )
         .unwrap();
         assert_eq!((m.id, m.major, m.minor), (812, 0, 97));
         assert_eq!(m.path, std::path::Path::new("/tmp/a b"));
-        assert_eq!(m.fstype, "fuse.stagefs");
+        assert_eq!((m.fstype.as_str(), m.owner), ("fuse.stagefs", Some(0)));
         assert_eq!(MountEntry::parse(b"junk"), None);
-    }
-
-    /// Found when another user's mount at a Latin-1 name made the whole table unreadable as
-    /// UTF-8: every mount then failed with "the mount is not in /proc/self/mountinfo".
-    #[test]
-    fn a_mount_point_that_is_not_utf8_hides_no_other_mount() {
-        use std::os::unix::ffi::OsStrExt;
-        let m =
-            MountEntry::parse(b"46 27 0:41 / /tmp/caf\xe9 rw,relatime - tmpfs none rw").unwrap();
-        assert_eq!(m.path.as_os_str().as_bytes(), b"/tmp/caf\xe9");
-        let table = super::table();
-        assert!(
-            table.iter().any(|m| m.path == std::path::Path::new("/")),
-            "{table:?}"
-        );
+        // A mount point whose name is not UTF-8 is kept as it is (read as text, the whole
+        // table came out empty).
+        let m = MountEntry::parse(b"9 1 0:5 / /tmp/\xff rw - tmpfs none rw").unwrap();
+        assert_eq!(m.path.as_os_str().as_encoded_bytes(), b"/tmp/\xff");
+        assert_eq!((m.fstype.as_str(), m.owner), ("tmpfs", None));
     }
 }

@@ -50,7 +50,7 @@ use crate::stats::{Counters, Gauges};
 use backoff::Backoff;
 use detection::Detector;
 pub use detection::{DetectionState, JobRank};
-pub use source::{LocalSource, Source, SourceError, SourceRoot};
+pub use source::{LocalSource, Source, SourceError, SourceRoot, open_verified};
 use space::Space;
 use unverified::Unverified;
 use waiters::Waiters;

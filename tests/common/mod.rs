@@ -219,14 +219,16 @@ pub fn is_mounted(path: &Path) -> bool {
     mount_count(path) > 0
 }
 
-/// How many mounts are stacked on `path` according to /proc/self/mountinfo.
+/// How many mounts are stacked on `path` according to /proc/self/mountinfo (read as bytes:
+/// a mount point's name need not be UTF-8).
 pub fn mount_count(path: &Path) -> usize {
+    use std::os::unix::ffi::OsStrExt;
     let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    std::fs::read_to_string("/proc/self/mountinfo")
+    std::fs::read("/proc/self/mountinfo")
         .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| Path::new(p) == abs)
+        .split(|&b| b == b'\n')
+        .filter_map(|l| l.split(|&b| b == b' ').nth(4))
+        .filter(|p| Path::new(OsStr::from_bytes(p)) == abs)
         .count()
 }
 
