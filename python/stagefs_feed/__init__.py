@@ -376,8 +376,23 @@ def _root_of(dataset):
     for holder in _path_holders(dataset):
         root = getattr(holder, "root", None)
         if isinstance(root, (str, os.PathLike)) and os.fspath(root):
-            return os.path.abspath(os.fspath(root))
+            return os.path.realpath(os.fspath(root))
     return None
+
+
+def _real_paths(paths):
+    """Each path with the links in its directory resolved (a dataset reached through a link to
+    the mount is on the mount), each directory resolved once: the file's own name is kept, as
+    the mount resolves a link there itself."""
+    real_dirs = {}
+    out = []
+    for path in paths:
+        directory, name = os.path.split(os.path.abspath(path))
+        real = real_dirs.get(directory)
+        if real is None:
+            real = real_dirs[directory] = os.path.realpath(directory)
+        out.append(os.path.join(real, name))
+    return out
 
 
 def _relative(mountpoint, path):
@@ -400,10 +415,11 @@ def _target_of(dataset):
     paths = _dataset_paths(dataset)
     root = _root_of(dataset)
     if paths:
+        paths = _real_paths(paths)
         found = mount_of(paths[0])
         if found is not None:
             mountpoint, address = found
-            relative = [_relative(mountpoint, os.path.abspath(p)) for p in paths]
+            relative = [_relative(mountpoint, p) for p in paths]
             target = (mountpoint, address, relative, root and _relative(mountpoint, root))
     elif os.environ.get("STAGEFS_FEED_MOUNT"):
         found = mount_of(os.environ["STAGEFS_FEED_MOUNT"])
