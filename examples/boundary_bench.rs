@@ -21,7 +21,7 @@ use stagefs::cache::CacheDir;
 use stagefs::catalog::{Catalog, Datasets, LayoutSpec, ROOT};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, TrackerSettings};
-use stagefs::stager::{Source, Stager, StagerSettings};
+use stagefs::stager::{EvictionKind, Source, Stager, StagerSettings};
 use stagefs::stats::Counters;
 
 #[path = "common/memory.rs"]
@@ -90,7 +90,9 @@ fn main() {
     sampler.world_size = 64;
     let plan =
         Arc::new(Plan::new(sampler, (0..local_ranks).collect(), layout, catalog.len()).unwrap());
-    let share = plan.epoch_len();
+    let generation = plan.generation();
+    let share = generation.epoch_len;
+    let epoch_files = |epoch| plan.epoch(&generation, epoch).files();
     println!("{files} files; this node: {local_ranks} ranks of 64, {share} opens per epoch");
 
     let cache = CacheDir::open(&dir.path().join("cache"), &root).unwrap();
@@ -109,12 +111,13 @@ fn main() {
             retries: 0,
             open_timeout: Duration::from_secs(600),
             tracker: TrackerSettings::default(),
+            eviction: EvictionKind::Belady,
         },
         counters.clone(),
     );
     let t = Instant::now();
-    let mut both: Vec<u32> = plan.files(0);
-    both.extend(plan.files(1));
+    let mut both: Vec<u32> = epoch_files(0);
+    both.extend(epoch_files(1));
     both.sort_unstable();
     both.dedup();
     let before = rss_bytes();
@@ -132,7 +135,7 @@ fn main() {
     let epoch1_opens = 10_000.min(share as usize);
     let mut latencies: Vec<(Duration, u64, usize)> = Vec::new();
     for epoch in 0..2 {
-        let stream = plan.files(epoch);
+        let stream = epoch_files(epoch);
         let take = if epoch == 0 {
             stream.len()
         } else {

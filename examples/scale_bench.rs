@@ -80,14 +80,18 @@ fn main() {
         "plan of epoch 0 (8 local ranks of world 8: the whole dataset on one node) in {:.2?}",
         t.elapsed()
     );
+    let generation = plan.generation();
+    let epoch0 = plan.epoch(&generation, 0);
     let t = Instant::now();
-    let epoch1 = plan.epoch(1);
+    let epoch1 = plan.epoch(&generation, 1);
     println!("plan of epoch 1 in {:.2?}", t.elapsed());
-    let tracker = Tracker::new(plan.clone(), TrackerSettings::default());
+    let mut tracker = Tracker::new(generation.clone(), TrackerSettings::default());
+    tracker.planned_epoch(epoch0);
+    tracker.planned_epoch(epoch1.clone());
     let after = rss_bytes();
 
     let plan_bytes = 2 * epoch1.heap_bytes();
-    let tracker_bytes = (2 * plan.epoch_len()).div_ceil(8) as usize;
+    let tracker_bytes = (2 * generation.epoch_len).div_ceil(8) as usize;
     let accounted = catalog.heap_bytes() + layout_bytes + plan_bytes + tracker_bytes;
     println!(
         "memory per file: catalog {:.1} B + layout {:.1} B + plan (2 epochs) {:.1} B + tracker {:.2} B = {:.1} B; process RSS grew {:.1} B/file",

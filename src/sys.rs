@@ -720,6 +720,12 @@ pub fn pidfd_signal(pidfd: BorrowedFd<'_>, signal: i32) -> io::Result<()> {
     .map(drop)
 }
 
+/// The calling thread's id (what FUSE reports as the pid of a request from it).
+pub fn gettid() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as u32 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

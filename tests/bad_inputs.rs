@@ -334,7 +334,7 @@ const COMMAND_LINES: &[Case] = &[
     scanned(
         "mount --extensions xyz",
         &[],
-        "stagefs: layout ImageFolder found no samples under the source",
+        "stagefs: layout imagefolder found no samples under the source",
     ),
     // Order files (--sampler list).
     early(

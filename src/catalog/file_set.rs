@@ -36,6 +36,18 @@ impl FileSet {
         new
     }
 
+    /// Takes `file` out; whether it was in.
+    pub fn remove(&mut self, file: FileId) -> bool {
+        let (word, bit) = Self::slot(file);
+        let Some(w) = self.words.get_mut(word) else {
+            return false;
+        };
+        let was = *w & bit != 0;
+        *w &= !bit;
+        self.len -= usize::from(was);
+        was
+    }
+
     /// How many files are in it.
     pub fn len(&self) -> usize {
         self.len
@@ -76,5 +88,8 @@ mod tests {
         assert!(set.insert(1000));
         assert!(set.contains(3) && set.contains(1000) && !set.contains(999));
         assert_eq!(set.len(), 2);
+        assert!(set.remove(3) && !set.remove(3) && !set.remove(5000));
+        assert!(!set.contains(3));
+        assert_eq!(set.len(), 1);
     }
 }

@@ -64,10 +64,18 @@ pub enum LayoutError {
     ListFileMissing,
     #[error("--list-file {0} names no file: give one relative path per line")]
     ListEmpty(PathBuf),
-    #[error("layout {kind} found no samples in {root}; check --layout / --extensions / --dataset")]
+    #[error("layout {kind} found no samples {}; check --layout / --extensions / --dataset", in_dataset(.root))]
     Empty { kind: &'static str, root: String },
     #[error("--dataset {0}: no such directory in the source")]
     NoDirectory(PathBuf),
+}
+
+/// Where a dataset is, in a message: SOURCE itself, or a directory of it.
+fn in_dataset(root: &str) -> String {
+    match root {
+        "." => "under the source".into(),
+        dir => format!("in the source's {dir}"),
+    }
 }
 
 /// How the job's dataset class numbers its files: the layout kind and its settings, the same
@@ -190,12 +198,18 @@ impl Layout {
     /// Sample i is file i: for engine tests that do not need a real tree.
     #[cfg(test)]
     pub fn identity(n: u32) -> Layout {
-        let mut members = FileSet::with_id_space(n as usize);
-        members.extend(0..n);
+        Layout::of_files((0..n).collect())
+    }
+
+    /// Sample i is `files[i]`: for engine tests that do not need a real tree.
+    #[cfg(test)]
+    pub fn of_files(files: Vec<FileId>) -> Layout {
+        let mut members = FileSet::default();
+        members.extend(files.iter().copied());
         Layout {
             root: ROOT,
             name: ".".into(),
-            files: (0..n).map(MaybeFile::from).collect(),
+            files: files.into_iter().map(MaybeFile::from).collect(),
             members,
             classes: Vec::new(),
         }

@@ -192,6 +192,12 @@ impl Catalog {
         scan::scan(root, threads)
     }
 
+    /// A catalog of one directory of files `f000000`, ... of `sizes`, without a file system.
+    #[cfg(test)]
+    pub(crate) fn flat(sizes: &[u64]) -> Catalog {
+        scan::flat(sizes)
+    }
+
     /// Builds the catalog of the tree `lister` describes (see [`Lister`]).
     pub fn scan_with(
         root: &Path,

@@ -249,6 +249,30 @@ fn list_directory(root: BorrowedFd<'_>, dir: &Path, shown: &Path) -> Vec<Scanned
     out
 }
 
+/// A catalog of one directory holding files `f000000`, `f000001`, ... of `sizes`, built
+/// without touching any file system (for the engine core's tests).
+#[cfg(test)]
+pub(crate) fn flat(sizes: &[u64]) -> Catalog {
+    let entry = |name: String, kind: Kind, size: u64| Scanned {
+        name: name.into(),
+        kind,
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+        size,
+        mtime_secs: 0,
+        mtime_nanos: 0,
+        identity: 0,
+        link_target: None,
+    };
+    let files = (sizes.iter().enumerate())
+        .map(|(i, &size)| entry(format!("f{i:06}"), Kind::File, size))
+        .collect();
+    let root = entry(String::new(), Kind::Directory, 0);
+    let listings = HashMap::from([(PathBuf::new(), files)]);
+    assemble(Path::new("/synthetic"), root, listings).expect("a small catalog")
+}
+
 /// Lays the listings out breadth-first: the children of each directory get consecutive ids
 /// in name order, which is what makes lookup a binary search.
 fn assemble(

@@ -13,6 +13,7 @@ use super::size::{LookaheadError, SizeError, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::daemon::{self, Capacity, MountConfig};
 use crate::order::{OrderError, SamplerKind};
+use crate::stager::EvictionKind;
 
 #[derive(Args, Debug, Clone)]
 pub struct MountArgs {
@@ -47,6 +48,9 @@ pub struct MountArgs {
     /// How far ahead of the reader to stage: a file count (5000) or a size (20G) [default: as far as the cache allows]
     #[arg(long, value_name = "N|SIZE", help_heading = "Staging")]
     pub lookahead: Option<String>,
+    /// Which cached copy goes when a new one needs room: belady (the one needed furthest ahead, from the prediction) or lru (the least recently used: a plain cache, to compare against)
+    #[arg(long, value_enum, default_value_t = EvictionKind::Belady, value_name = "POLICY", help_heading = "Staging")]
+    pub eviction: EvictionKind,
     /// Files at least this large are read through from SOURCE while they are copied, instead of waited for
     #[arg(
         long,
@@ -181,6 +185,7 @@ impl TryFrom<&MountArgs> for MountConfig {
             dataset: args.layout.dataset.clone(),
             stage_threads: args.stage_threads,
             lookahead,
+            eviction: args.eviction,
             read_through_above,
             retries: args.retries,
             open_timeout: Duration::from_secs(args.open_timeout),

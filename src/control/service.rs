@@ -392,8 +392,8 @@ impl ControlSession {
             return Err(self.owners_only("move its epoch"));
         }
         let plan = data.stager.plan();
-        if !plan.sampler().predicts() || plan.is_fed() {
-            return Err(RequestError::NoEpochs(plan.sampler().kind));
+        if plan.generation().order().is_none() {
+            return Err(RequestError::NoEpochs(plan.configured().kind));
         }
         plan.check_epoch_reachable(epoch)?;
         let _turn = loop {

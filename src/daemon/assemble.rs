@@ -179,7 +179,7 @@ fn start_stager(
         "{} files ({} bytes); {} positions per epoch on this node; cache capacity {capacity} bytes",
         catalog.file_count(),
         catalog.total_file_bytes(),
-        plan.epoch_len(),
+        plan.generation().epoch_len,
     );
     MountedDataset {
         catalog,
@@ -250,6 +250,7 @@ fn stager_settings(config: &MountConfig, cache: &CacheDir) -> Result<StagerSetti
             window: config.window,
             ..TrackerSettings::default()
         },
+        eviction: config.eviction,
     })
 }
 

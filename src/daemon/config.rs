@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
 use crate::order::{SamplerConfig, SamplerKind};
+use crate::stager::EvictionKind;
 
 /// How far ahead of the reader the stager may copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +60,8 @@ pub struct MountConfig {
     pub stage_threads: usize,
     /// How far ahead of the reader to stage; `None` is as far as the cache allows.
     pub lookahead: Option<Lookahead>,
+    /// Which copy goes when a new one needs room.
+    pub eviction: EvictionKind,
     /// Files at least this large (bytes) are read through from the source while they are
     /// copied, instead of waited for.
     pub read_through_above: u64,
@@ -107,6 +110,7 @@ impl Default for MountConfig {
             // A parallel file system serves many reads at once.
             stage_threads: 16,
             lookahead: None,
+            eviction: EvictionKind::Belady,
             // 64 MiB: below it a copy finishes about as fast as a read-through would start.
             read_through_above: 64 << 20,
             retries: 3,

@@ -75,6 +75,7 @@ fn fixture_with(
         retries: 1,
         open_timeout: Duration::from_secs(20),
         tracker: TrackerSettings::default(),
+        eviction: crate::stager::EvictionKind::Belady,
     };
     let counters = Arc::new(Counters::default());
     let source = wrap(LocalSource::new(root.clone()));

@@ -12,15 +12,15 @@
 //! runs a validation "sanity check" before the first training epoch). Each announces as a
 //! stream of its own ([`StreamKey`]), with its own epoch count. One stream is followed and
 //! planned: the training loader's, told apart as the one that shuffles, and among several the
-//! longest. The others are only remembered, so their opens are told apart from the followed
-//! stream's and never judged against its prediction.
+//! longest. The others' announcements are not kept: their opens are of files the followed
+//! stream's epochs do not hold, so they are never judged against its prediction.
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::catalog::{FileId, FileSet, MaybeFile};
+use crate::catalog::{FileId, MaybeFile};
 
 /// Announced epochs kept on either side of the one just announced: the reader's, the ones
 /// before (ranks finishing them) and the next. Counted from the latest announcement, not the
@@ -32,10 +32,6 @@ pub const MAX_RANKS: usize = 256;
 /// Files held for all announced epochs together (4 bytes each: 1 GiB): two epochs of every
 /// rank of a node over the largest public datasets, and a bound a client cannot push past.
 pub const MAX_HELD: usize = 1 << 28;
-/// Streams besides the followed one remembered (a job has a validation and maybe a test
-/// loader); a bound on what announcing clients can make the daemon hold.
-pub const MAX_OTHER_STREAMS: usize = 8;
-
 /// Why an announcement was not taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FeedError {
@@ -70,7 +66,7 @@ pub enum Taken {
     /// `switched` says the followed stream changed to this one (what was announced before
     /// belongs to another loader: plans made from it are void).
     Followed { len: u64, switched: bool },
-    /// Another stream's: remembered, not planned.
+    /// Another stream's: not planned.
     Other,
 }
 
@@ -86,10 +82,6 @@ struct FeedState {
     /// The stream planned, and the most files a rank announced for one of its epochs.
     followed: Option<(StreamKey, usize)>,
     epochs: BTreeMap<u64, Announced>,
-    /// Every file the followed stream announced.
-    members: FileSet,
-    /// The other streams, and the files each announced.
-    others: Vec<(StreamKey, FileSet)>,
 }
 
 /// What the ranks announced for one epoch.
@@ -116,18 +108,10 @@ impl Feed {
             None => true,
             Some((key, _)) if key == stream => false,
             Some((key, len)) if key.outranked_by(stream, files.len(), *len) => true,
-            Some(_) => {
-                st.remember_other(stream, &files);
-                return Ok(Taken::Other);
-            }
+            Some(_) => return Ok(Taken::Other),
         };
         if switched {
-            st.others.retain(|(key, _)| key != stream);
-            if let Some((old, _)) = st.followed.take() {
-                let old_members = std::mem::take(&mut st.members);
-                st.others.push((old, old_members));
-                st.others.truncate(MAX_OTHER_STREAMS);
-            }
+            st.followed = None;
             st.epochs.clear();
         }
         st.epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
@@ -154,13 +138,7 @@ impl Feed {
         let len = (longest * st.lanes().len()) as u64;
         let most = st.followed.as_ref().map_or(0, |(_, n)| *n).max(files.len());
         st.followed = Some((stream.clone(), most));
-        st.members.extend(files.iter().copied());
         Ok(Taken::Followed { len, switched })
-    }
-
-    /// Whether the followed stream announced `file`.
-    pub fn contains(&self, file: FileId) -> bool {
-        self.state.lock().members.contains(file)
     }
 
     /// The followed stream, once one announced.
@@ -170,15 +148,6 @@ impl Feed {
             .followed
             .as_ref()
             .map(|(key, _)| key.clone())
-    }
-
-    /// The name of the other stream that announced `file`, if one did.
-    pub fn other_stream_of(&self, file: FileId) -> Option<String> {
-        let st = self.state.lock();
-        st.others
-            .iter()
-            .find(|(_, files)| files.contains(file))
-            .map(|(key, _)| key.name.clone())
     }
 
     /// Changes whenever `epoch` is announced: a plan built from an older version is stale.
@@ -253,21 +222,6 @@ impl FeedState {
         ranks.dedup();
         ranks
     }
-
-    /// Remembers the files another stream announced (the newest streams kept).
-    fn remember_other(&mut self, stream: &StreamKey, files: &[FileId]) {
-        match self.others.iter_mut().find(|(key, _)| key == stream) {
-            Some((_, set)) => set.extend(files.iter().copied()),
-            None => {
-                if self.others.len() >= MAX_OTHER_STREAMS {
-                    self.others.remove(0);
-                }
-                let mut set = FileSet::default();
-                set.extend(files.iter().copied());
-                self.others.push((stream.clone(), set));
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -323,9 +277,6 @@ mod tests {
         );
         assert_eq!(feed.followed(), Some(train()));
         assert_eq!(stream(&feed, 0), [Some(5), Some(1), Some(3)]);
-        assert!(feed.contains(3) && !feed.contains(100));
-        assert_eq!(feed.other_stream_of(101).as_deref(), Some("val"));
-        assert_eq!(feed.other_stream_of(5), None);
         // A longer shuffling loader is the training one; a shorter one is not.
         let small = StreamKey {
             name: "subset".into(),

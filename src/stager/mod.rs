@@ -1,14 +1,16 @@
 //! The engine: copies files from SOURCE into the cache ahead of the reader and serves opens.
 //!
-//! A pool of copy workers takes jobs from two places: an urgent queue of files a reader is
-//! waiting for (single-flight: one copy however many readers wait), then the staging frontier,
-//! which walks the predicted stream ahead of the tracker's cursor, bounded by the lookahead and
-//! by the cache capacity. Capacity is enforced with Belady's rule: a file is staged only if the
-//! cache has room or holds a file needed later than it; that file is evicted.
+//! Every decision is the [`core`]'s: a plain value with no I/O, no locks and no threads, which
+//! answers events with effects. This module is the shell around it: it holds the core under
+//! one lock (taken for bookkeeping only, never across I/O), runs the threads, and carries the
+//! effects out. A pool of copy workers takes jobs from the core (urgent files a reader waits
+//! for, single-flight, then the staging frontier ahead of the reader); a planner thread
+//! computes the epoch plans the core wants; a sweeper passes the time. Readers never wait on
+//! a lock held across I/O: an open of a file not yet cached leaves its reply callback with the
+//! core, and whoever finishes the copy (or the sweeper's timeout) answers it.
 //!
-//! Per-file state: `Remote → Queued/Staging → Cached → (evicted) Remote`. Readers never wait
-//! on a lock held across I/O: an open of a file not yet cached leaves its reply callback with
-//! the file, and whoever finishes the copy (or the timeout sweep) answers it.
+//! Where bytes come from is a [`Source`] (SOURCE's directory today), what is predicted the
+//! [`Plan`]'s current generation, which the shell hands to the core when it changes.
 //!
 //! Faults: source read errors are retried with backoff and then answered with EIO to the
 //! readers of that file only, while the frontier pauses and resumes by itself; a full cache file
@@ -16,44 +18,37 @@
 //! prediction is never an error to a reader.
 
 mod backoff;
-mod copy;
+mod core;
 mod detection;
 mod eviction;
-mod frontier;
 mod open;
-mod planner;
 mod resync;
 mod source;
 mod space;
 mod streams;
 #[cfg(test)]
 mod tests;
-mod unverified;
+mod threads;
 mod waiters;
 
-use std::collections::{HashSet, VecDeque};
 use std::fs::File;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use self::core::{Answer, Core, Effects, FileState, Wake};
 use crate::cache::{CacheDir, OpenCopy};
 use crate::catalog::{Catalog, Datasets, FileId};
 use crate::order::SamplerKind;
-use crate::plan::{
-    FedChange, Plan, Position, Provenance, StreamKey, Tracker, TrackerMode, TrackerSettings,
-};
+use crate::plan::{FedChange, Generation, Plan, Prediction, StreamKey, TrackerSettings};
 use crate::stats::{Counters, Gauges};
-use backoff::Backoff;
 use detection::Detector;
 pub use detection::{DetectionState, JobRank};
+pub use eviction::EvictionKind;
 pub use source::{LocalSource, Source, SourceError, SourceRoot, open_verified};
-use space::Space;
-use unverified::Unverified;
-use waiters::Waiters;
 
 #[derive(Clone, Debug)]
 pub struct StagerSettings {
@@ -67,6 +62,8 @@ pub struct StagerSettings {
     /// A reader waiting longer than this for a copy gets EIO.
     pub open_timeout: Duration,
     pub tracker: TrackerSettings,
+    /// Which copy goes when a new one needs room.
+    pub eviction: EvictionKind,
 }
 
 /// What an open is answered with: a file to read from, cache or SOURCE.
@@ -127,68 +124,6 @@ pub enum AnnounceError {
 pub type OpenResult = Result<Opened, OpenError>;
 pub type OpenCallback = Box<dyn FnOnce(OpenResult) + Send>;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-enum FileState {
-    #[default]
-    Remote,
-    /// In the urgent queue, not started.
-    Queued,
-    Staging,
-    Cached,
-}
-
-/// Every file's state, one byte per catalog id (a hash map took about 20 bytes per file once
-/// millions were cached).
-#[derive(Default)]
-struct FileStates(Vec<FileState>);
-
-impl FileStates {
-    fn get(&self, file: FileId) -> FileState {
-        self.0.get(file as usize).copied().unwrap_or_default()
-    }
-
-    fn set(&mut self, file: FileId, state: FileState) {
-        if self.0.len() <= file as usize {
-            self.0.resize(file as usize + 1, FileState::Remote);
-        }
-        self.0[file as usize] = state;
-    }
-}
-
-struct Job {
-    file: FileId,
-    /// The frontier position it was staged for (None: urgent).
-    position: Option<Position>,
-}
-
-struct State {
-    tracker: Tracker,
-    files: FileStates,
-    waiters: Waiters,
-    urgent: VecDeque<FileId>,
-    space: Space,
-    /// Staged ahead and not opened since: evicting these is wasted staging.
-    unread: HashSet<FileId>,
-    frontier: Position,
-    /// Bytes of the positions in [cursor, frontier).
-    ahead_bytes: u64,
-    backoff: Backoff,
-    /// Files whose source changed: never staged again by the frontier.
-    changed: HashSet<FileId>,
-    /// Cached by a previous mount; checked against their checksum before first served.
-    unverified: Unverified,
-    access_seq: u64,
-    opens_since_resync: u64,
-    resync_running: bool,
-    /// Why the opens stopped following the prediction, and what to do: set when the tracker
-    /// gets lost (said once in the log), cleared when it predicts again.
-    hint: Option<String>,
-    /// The cursor entered an epoch whose successor the planner has yet to prepare.
-    replan: bool,
-    /// Opens per stream.
-    streams: streams::Streams,
-}
-
 struct Inner {
     catalog: Arc<Catalog>,
     source: Arc<dyn Source>,
@@ -196,12 +131,13 @@ struct Inner {
     plan: Arc<Plan>,
     settings: StagerSettings,
     counters: Arc<Counters>,
-    state: Mutex<State>,
+    core: Mutex<Core<OpenCallback>>,
+    /// Wakes copy workers.
     work: Condvar,
-    /// `--sampler auto` before it has found the order.
-    detector: Option<Detector>,
     /// Wakes the planner thread (see [`Inner::planner`]).
     plan_wanted: Condvar,
+    /// `--sampler auto` before it has found the order.
+    detector: Option<Detector>,
     /// Thread ids of the copy threads, which open SOURCE files: an open from one of them
     /// through the mount must be refused, not waited on (see [`Stager::is_copy_thread`]).
     copy_threads: Mutex<Vec<u32>>,
@@ -215,19 +151,6 @@ pub struct Stager {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// How a waiting reader is to be answered: decided under the state lock, carried out after it
-/// is released, because opening a file (in the cache, or worse on SOURCE, whose metadata calls
-/// can take seconds) must never make every other open wait.
-enum Answer {
-    Done(OpenResult),
-    /// The cached copy, or SOURCE if it went meanwhile.
-    FromCache(FileId),
-    FromSource(FileId),
-}
-
-/// Replies decided under the state lock and sent once it is released.
-type Deferred = Vec<(OpenCallback, Answer)>;
-
 impl Stager {
     /// Starts staging `plan` from `source` into `cache`; `datasets` are where `--sampler auto`
     /// looks for the job's dataset.
@@ -240,46 +163,28 @@ impl Stager {
         counters: Arc<Counters>,
     ) -> Stager {
         let catalog = datasets.catalog().clone();
-        let tracker = Tracker::new(plan.clone(), settings.tracker);
-        let mut state = State {
-            tracker,
-            files: FileStates::default(),
-            waiters: Waiters::default(),
-            urgent: VecDeque::new(),
-            space: Space::new(settings.capacity),
-            unread: HashSet::new(),
-            frontier: 0,
-            ahead_bytes: 0,
-            backoff: Backoff::default(),
-            changed: HashSet::new(),
-            unverified: Unverified::default(),
-            access_seq: 0,
-            opens_since_resync: 0,
-            resync_running: false,
-            hint: None,
-            replan: false,
-            streams: Default::default(),
-        };
-        if plan.predicts() {
-            // Epoch 0 is planned; the next one is the staging horizon from the start.
-            plan.epoch(1);
+        let generation = plan.generation();
+        let mut core = Core::new(
+            catalog.clone(),
+            generation.clone(),
+            settings.clone(),
+            counters.clone(),
+        );
+        if generation.predicts() {
+            // Epochs 0 and 1 are the staging horizon from the start.
+            for epoch in [0, 1] {
+                let _ = core.planned(plan.epoch(&generation, epoch));
+            }
         }
         for (file, size) in cache.reuse(&catalog) {
-            state.files.set(file, FileState::Cached);
-            state.unverified.insert(file);
-            state.space.used += size;
-            let next = state.tracker.next_use(file);
-            state.space.evict.set_next_use(file, next);
-            Counters::add(&counters.reused_files, 1);
+            core.reuse(file, size);
         }
-        if state.space.used > 0 {
-            log::info!(
-                "cache: reusing {} files ({} bytes) from a previous mount",
-                state.space.evict.len(),
-                state.space.used
-            );
+        let reused = Counters::get(&counters.reused_files);
+        if reused > 0 {
+            log::info!("cache: reusing {reused} files from a previous mount");
         }
-        let detector = (plan.sampler().kind == SamplerKind::Auto).then(|| Detector::new(datasets));
+        let detector =
+            (plan.configured().kind == SamplerKind::Auto).then(|| Detector::new(datasets.clone()));
         let inner = Arc::new(Inner {
             detector,
             catalog,
@@ -288,20 +193,16 @@ impl Stager {
             plan,
             settings: settings.clone(),
             counters,
-            state: Mutex::new(state),
+            core: Mutex::new(core),
             work: Condvar::new(),
             plan_wanted: Condvar::new(),
             copy_threads: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             unmapped: Mutex::new(None),
         });
-        {
-            // Reused files beyond capacity (a smaller --cache-size than last time) go now,
-            // furthest next use first.
-            let mut st = inner.state.lock();
-            inner.follow_stream(&mut st);
-            inner.make_room(&mut st, 0, 0);
-        }
+        // Reused files beyond capacity (a smaller --cache-size than last time) go now,
+        // furthest next use first.
+        inner.run(|core| ((), core.fit()));
         let spawn = |name: String, body: fn(Arc<Inner>)| {
             let inner = inner.clone();
             std::thread::Builder::new()
@@ -344,7 +245,7 @@ impl Stager {
 
     /// Whether `file` is complete in the cache, being staged, or only on SOURCE.
     pub fn file_state(&self, file: FileId) -> &'static str {
-        match self.inner.state.lock().files.get(file) {
+        match self.inner.core.lock().file_state(file) {
             FileState::Cached => "cached",
             FileState::Staging | FileState::Queued => "staging",
             FileState::Remote => "remote",
@@ -353,10 +254,7 @@ impl Stager {
 
     /// How many of `files` are cached.
     pub fn cached_count(&self, files: impl Iterator<Item = FileId>) -> u64 {
-        let st = self.inner.state.lock();
-        files
-            .filter(|&f| st.files.get(f) == FileState::Cached)
-            .count() as u64
+        self.inner.core.lock().cached_count(files)
     }
 
     /// The prediction the stager follows.
@@ -373,16 +271,17 @@ impl Stager {
     /// (reaching a far epoch may replay minutes of random draws): then nothing changes and
     /// this returns false.
     pub fn set_epoch_while(&self, epoch: u64, wanted: &dyn Fn() -> bool) -> bool {
+        let generation = self.inner.core.lock().generation().clone();
         // Planned before taking the lock: opens meanwhile go on.
-        if self.inner.plan.epoch_while(epoch, wanted).is_none() {
+        let Some(plan) = self.inner.plan.epoch_while(&generation, epoch, wanted) else {
             return false;
-        }
-        let mut st = self.inner.state.lock();
-        let pos = self.inner.plan.join(epoch, 0);
-        self.inner.reposition(&mut st, pos);
+        };
+        self.inner.run(|core| {
+            let mut effects = core.planned(plan);
+            effects.merge(core.reposition(generation.join(epoch, 0)));
+            ((), effects)
+        });
         log::info!("told the job is at epoch {epoch}: staging from there");
-        drop(st);
-        self.inner.work.notify_all();
         true
     }
 
@@ -397,40 +296,14 @@ impl Stager {
         files: Vec<FileId>,
         current: bool,
     ) -> Result<(), AnnounceError> {
-        let plan = &self.inner.plan;
-        if !plan.is_fed() {
-            // An announced order takes precedence over a detected or awaited one.
-            let order = plan.order();
-            if order.sampler.kind != SamplerKind::Auto && order.provenance != Provenance::Detected {
-                return Err(AnnounceError::NotFed(order.sampler.kind));
-            }
-            if let Some(detector) = &self.inner.detector {
-                detector.announced();
-            }
-            let mut st = self.inner.state.lock();
-            plan.follow_announcements();
-            st.tracker.stop_predicting();
-            log::warn!(
-                "the job announces its order: following it instead of {}",
-                order.flags(0)
-            );
+        let inner = &self.inner;
+        if !inner.plan.is_fed() {
+            inner.follow_announcements()?;
         }
         let count = files.len();
         // Converted (a copy of up to millions of ids) before the lock is taken.
         let files: Arc<[FileId]> = files.into();
-        let change = {
-            let mut st = self.inner.state.lock();
-            let (at_epoch, at_offset) = st.tracker.epoch_position();
-            let change = plan.announce(stream, epoch, rank, files)?;
-            // Growing the epoch length moves every position: the tracker follows at once,
-            // under the same lock, to where it was.
-            if change == FedChange::Grown && st.tracker.mode() == TrackerMode::Predicting {
-                let pos = plan.join(at_epoch, at_offset);
-                self.inner.reposition(&mut st, pos);
-            }
-            self.inner.follow_stream(&mut st);
-            change
-        };
+        let (change, generation) = inner.plan.announce(stream, epoch, rank, files)?;
         let ahead = if current { "" } else { " (ahead)" };
         match change {
             FedChange::Other => {
@@ -452,17 +325,42 @@ impl Stager {
             FedChange::Grown | FedChange::Nothing => {}
         }
         log::info!("rank {rank} announced epoch {epoch}{ahead}: {count} files");
-        if current || change == FedChange::Switched {
-            self.set_epoch(epoch);
-            return Ok(());
+        let starts = current || change == FedChange::Switched;
+        // Planned before taking the lock (opens meanwhile go on with the stale plans): the
+        // announced epoch, and in a new generation the reader's epoch and the next too.
+        let reader_epoch = inner.core.lock().tracker().epoch_position().0;
+        let mut epochs = vec![epoch];
+        if change == FedChange::Grown && !starts {
+            epochs.extend([reader_epoch, reader_epoch + 1]);
         }
-        // Planned before taking the lock again: opens meanwhile go on with the stale plan.
-        plan.epoch(epoch);
-        let mut st = self.inner.state.lock();
-        self.inner.rekey_all(&mut st);
-        self.inner.plan_ahead(&mut st);
-        drop(st);
-        self.inner.work.notify_all();
+        epochs.sort_unstable();
+        epochs.dedup();
+        let plans: Vec<_> = (epochs.iter())
+            .map(|&e| inner.plan.epoch(&generation, e))
+            .collect();
+        inner.run(|core| {
+            let moved = core.generation().id != generation.id;
+            let effects = match (moved, starts) {
+                (true, true) => core.follow(generation.clone(), generation.join(epoch, 0), plans),
+                // Longer epochs: the reader is where it was, in the new coordinates.
+                (true, false) => {
+                    let (at_epoch, at_offset) = core.tracker().epoch_position();
+                    let pos = generation.join(at_epoch, at_offset);
+                    core.follow(generation.clone(), pos, plans)
+                }
+                (false, _) => {
+                    let mut effects = Effects::default();
+                    for plan in plans {
+                        effects.merge(core.planned(plan));
+                    }
+                    if starts {
+                        effects.merge(core.reposition(generation.join(epoch, 0)));
+                    }
+                    effects
+                }
+            };
+            ((), effects)
+        });
         Ok(())
     }
 
@@ -481,37 +379,25 @@ impl Stager {
     }
 
     pub fn gauges(&self) -> Gauges {
-        let plan = &self.inner.plan;
-        let st = self.inner.state.lock();
-        let (epoch, position) = st.tracker.epoch_position();
+        let inner = &self.inner;
+        let core = inner.core.lock();
+        let generation = core.generation().clone();
+        let epoch = core.tracker().epoch_position().0;
         // A fed plan's positions leave room for longer epochs; the user asks what was announced.
-        let epoch_len = if plan.is_fed() {
-            plan.announced_len(epoch)
+        let epoch_len = if generation.is_announced() {
+            inner.plan.announced_len(epoch)
         } else {
-            plan.epoch_len()
+            generation.epoch_len
         };
-        Gauges {
-            cache_used_bytes: st.space.used,
-            cache_capacity_bytes: st.space.capacity,
-            cached_files: st.space.evict.len() as u64,
-            mispredictions: st.tracker.mispredictions(),
-            prediction_quality: st.tracker.prediction_quality(),
-            prediction_quality_by_epoch: st.tracker.quality_by_epoch(),
-            epoch,
-            position,
-            epoch_len,
-            frontier: st.frontier.saturating_sub(st.tracker.cursor()),
-            announced_ranks: self.inner.plan.fed_ranks(epoch),
-            sampler: self.inner.plan.sampler().kind.to_string(),
-            prediction: self.inner.prediction(epoch),
-            hint: st.hint.clone().unwrap_or_default(),
-            mode: match st.tracker.mode() {
-                TrackerMode::Predicting => "predicting",
-                TrackerMode::Lost => "lost",
-                TrackerMode::OnDemand => "on-demand",
-            },
-            streams: st.streams.stats(),
-        }
+        let mut gauges = core.gauges(epoch_len, inner.prediction(&generation, epoch));
+        drop(core);
+        gauges.announced_ranks = inner.plan.fed_ranks(epoch);
+        gauges.sampler = match generation.order() {
+            Some(order) => order.sampler.kind.to_string(),
+            None if generation.is_announced() => SamplerKind::Feed.to_string(),
+            None => inner.plan.configured().kind.to_string(),
+        };
+        gauges
     }
 
     /// Stops the threads and waits for them (copies under way are abandoned at their next
@@ -535,9 +421,113 @@ impl Drop for Stager {
 }
 
 impl Inner {
+    /// Runs `event` on the core and carries out the effects it returns (see [`apply`]).
+    ///
+    /// [`apply`]: Self::apply
+    fn run<T>(
+        self: &Arc<Self>,
+        event: impl FnOnce(&mut Core<OpenCallback>) -> (T, Effects<OpenCallback>),
+    ) -> T {
+        let mut core = self.core.lock();
+        let (out, effects) = event(&mut core);
+        self.apply(core, effects);
+        out
+    }
+
+    /// Carries out `effects`: copies are unlinked with the core's lock still held (see
+    /// `Core::evict`), the rest once it is released.
+    fn apply(
+        self: &Arc<Self>,
+        mut core: MutexGuard<'_, Core<OpenCallback>>,
+        effects: Effects<OpenCallback>,
+    ) {
+        let Effects {
+            unlink,
+            replies,
+            wake,
+            plan,
+            resync,
+        } = effects;
+        for file in unlink {
+            self.cache.remove(&self.catalog, file);
+        }
+        if let Some((recent, epoch)) = resync
+            && !self.spawn_resync(recent, epoch)
+        {
+            let _ = core.resync_done(None);
+        }
+        drop(core);
+        match wake {
+            Wake::None => {}
+            Wake::One => {
+                self.work.notify_one();
+            }
+            Wake::All => {
+                self.work.notify_all();
+            }
+        }
+        if plan {
+            self.plan_wanted.notify_one();
+        }
+        for (reply, answer) in replies {
+            self.answer(reply, answer);
+        }
+    }
+
+    /// Answers a reader the core decided about.
+    fn answer(&self, reply: OpenCallback, answer: Answer) {
+        reply(match answer {
+            Answer::Failed(e) => Err(e),
+            Answer::FromCache(file) => self
+                .cache
+                .open_cached(&self.catalog, file)
+                .map(Opened::Cache)
+                .or_else(|_| self.open_source(file)),
+            Answer::FromSource(file) => self.open_source(file),
+        });
+    }
+
+    /// Opens `file` on SOURCE for a reader (read-through, or no room to stage it).
+    fn open_source(&self, file: FileId) -> OpenResult {
+        match source::open_verified(&*self.source, &self.catalog, file) {
+            Ok(f) => Ok(Opened::Source(f)),
+            Err(e) => {
+                log::warn!("{e}");
+                Err(e.open_error())
+            }
+        }
+    }
+
+    /// Follows the job's announcements from now on, unless the mount's own order is not one
+    /// it may give up (configured: the user named it).
+    fn follow_announcements(self: &Arc<Self>) -> Result<(), AnnounceError> {
+        let configured = self.plan.configured().kind;
+        let mut core = self.core.lock();
+        let current = core.generation().clone();
+        if matches!(current.prediction, Prediction::Configured(_))
+            || configured == SamplerKind::None
+        {
+            return Err(AnnounceError::NotFed(configured));
+        }
+        if current.is_announced() {
+            return Ok(());
+        }
+        if let Some(detector) = &self.detector {
+            detector.announced();
+        }
+        let generation = self.plan.follow_announcements();
+        let effects = core.follow(generation, 0, Vec::new());
+        log::warn!(
+            "the job announces its order: following it instead of {}",
+            what_it_was(&current)
+        );
+        self.apply(core, effects);
+        Ok(())
+    }
+
     /// What is predicted and where it came from, in words (the statistics' `prediction`).
-    fn prediction(&self, epoch: u64) -> String {
-        let said = self.what_is_predicted(epoch);
+    fn prediction(&self, generation: &Generation, epoch: u64) -> String {
+        let said = self.what_is_predicted(generation, epoch);
         match self.unmapped.lock().as_deref() {
             Some(kind) => format!(
                 "{said}; the job's hook cannot map its dataset ({kind}) to files, so its order is not announced"
@@ -546,49 +536,33 @@ impl Inner {
         }
     }
 
-    fn what_is_predicted(&self, epoch: u64) -> String {
-        let order = self.plan.order();
-        match (order.provenance, order.sampler.kind) {
-            (Provenance::Announced, _) if self.plan.followed_stream().is_none() => {
-                "announced by the job: nothing announced yet".into()
-            }
-            (Provenance::Announced, _) => "announced by the job".into(),
-            (_, SamplerKind::None) => "none (on demand)".into(),
-            (_, SamplerKind::Auto) => match self.detector.as_ref().map(Detector::state) {
+    fn what_is_predicted(&self, generation: &Generation, epoch: u64) -> String {
+        match &generation.prediction {
+            Prediction::Announced(None) => "announced by the job: nothing announced yet".into(),
+            Prediction::Announced(Some(_)) => "announced by the job".into(),
+            Prediction::Configured(order) => format!("configured: {}", order.flags(epoch)),
+            Prediction::Detected(order) => match self.detector.as_ref().map(Detector::state) {
+                Some(DetectionState::Found(flags)) => format!("detected: {flags}"),
+                _ => format!("detected: {}", order.flags(epoch)),
+            },
+            Prediction::Unknown => match self.detector.as_ref().map(Detector::state) {
                 Some(DetectionState::NotFound { opens, why }) => {
                     format!("auto: not found from the first {opens} opens (on demand): {why}")
                 }
                 Some(DetectionState::Searching { opens }) => {
                     format!("auto: searching ({opens} opens so far, on demand)")
                 }
-                _ => "auto".into(),
+                Some(_) => "auto".into(),
+                None => "none (on demand)".into(),
             },
-            (Provenance::Detected, _) => match self.detector.as_ref().map(Detector::state) {
-                Some(DetectionState::Found(flags)) => format!("detected: {flags}"),
-                _ => format!("detected: {}", order.flags(epoch)),
-            },
-            (Provenance::Configured, _) => format!("configured: {}", order.flags(epoch)),
         }
     }
+}
 
-    /// The name of the stream the prediction follows, if any: the announced stream's, else
-    /// its dataset's directory.
-    fn predicted_stream(&self) -> Option<String> {
-        if !self.plan.predicts() {
-            return None;
-        }
-        Some(match self.plan.followed_stream() {
-            Some(stream) if self.plan.is_fed() => stream.name,
-            _ => self.plan.layout().name().to_owned(),
-        })
-    }
-
-    /// Counts opens under the stream the prediction follows now (call after it changed).
-    fn follow_stream(&self, st: &mut State) {
-        st.streams.follow(self.predicted_stream());
-    }
-
-    fn size_of(&self, file: FileId) -> u64 {
-        self.catalog.entry(file).map_or(0, |e| e.size)
+/// The prediction a job's announcements replace, in words for the log.
+fn what_it_was(generation: &Generation) -> String {
+    match generation.order() {
+        Some(order) => order.flags(0),
+        None => "the search for its order".into(),
     }
 }

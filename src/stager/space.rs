@@ -2,13 +2,9 @@
 //! capacity they must fit in (lowered when the cache file system turns out smaller, grown
 //! back as it frees up), and the eviction index that says which copy goes first.
 //!
-//! [`Space`] is pure bookkeeping, tested without threads; the `Inner` methods below apply it
-//! to the stager's state (file states, counters, the cache directory).
+//! Pure bookkeeping, tested without threads; the engine core applies it.
 
-use super::eviction::EvictionIndex;
-use super::{FileState, Inner, State};
-use crate::catalog::FileId;
-use crate::stats::Counters;
+use super::eviction::Eviction;
 
 /// Kept free on the cache file system when the capacity grows back after it was full, so the
 /// next copy does not run straight into ENOSPC again.
@@ -23,18 +19,18 @@ pub struct Space {
     pub capacity: u64,
     /// What the user configured: the capacity never grows back past it.
     configured: u64,
-    /// Cached files by when they are next needed (or last used, when not predicting).
-    pub evict: EvictionIndex,
+    /// Which copy goes first (the policy knows when each is next needed, or last used).
+    pub evict: Box<dyn Eviction>,
 }
 
 impl Space {
-    pub fn new(capacity: u64) -> Space {
+    pub fn new(capacity: u64, evict: Box<dyn Eviction>) -> Space {
         Space {
             used: 0,
             reserved: 0,
             capacity,
             configured: capacity,
-            evict: EvictionIndex::default(),
+            evict,
         }
     }
 
@@ -71,53 +67,13 @@ impl Space {
     }
 }
 
-impl Inner {
-    /// Forgets `file`'s copy (evicted, or gone from the cache directory).
-    pub(super) fn forget_cached(&self, st: &mut State, file: FileId) {
-        if st.space.evict.contains(file) {
-            st.space.evict.remove(file);
-            st.space.used = st.space.used.saturating_sub(self.size_of(file));
-        }
-        st.files.set(file, FileState::Remote);
-        st.unread.remove(&file);
-        st.unverified.remove(file);
-    }
-
-    /// Drops `file` and its copy. The unlink (of a local file, tens of microseconds) is the
-    /// one cache-directory call made under the state lock: deferred until the lock was
-    /// released, a new copy of the file had to be held back until it was done (or the late
-    /// unlink would remove it), and readers of just-evicted files waited for that: a 30% cache
-    /// through a mount fell from 1.0 to 0.90-0.97 hits with 3-5x the stall (engine_bench).
-    pub(super) fn evict(&self, st: &mut State, file: FileId) {
-        // Staged ahead and evicted before anyone read it: staging wasted.
-        if st.unread.contains(&file) {
-            Counters::add(&self.counters.wasted_bytes, self.size_of(file));
-        }
-        self.cache.remove(&self.catalog, file);
-        self.forget_cached(st, file);
-        Counters::add(&self.counters.evictions, 1);
-    }
-
-    /// Evicts files needed after `needed_at` until `bytes` more fit. False if that would mean
-    /// evicting something needed sooner (Belady: then the new file is the one not to keep).
-    pub(super) fn make_room(&self, st: &mut State, bytes: u64, needed_at: u64) -> bool {
-        while !st.space.fits(bytes) {
-            match st.space.evict.furthest() {
-                Some((key, victim)) if key > needed_at => self.evict(st, victim),
-                _ => return false,
-            }
-        }
-        true
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn full_lowers_the_capacity_and_free_space_gives_it_back_up_to_the_configured() {
-        let mut s = Space::new(100 << 20);
+        let mut s = Space::new(100 << 20, crate::stager::EvictionKind::Belady.policy());
         s.used = 30 << 20;
         s.reserved = 2 << 20;
         assert!(s.fits(68 << 20));

@@ -1,7 +1,7 @@
 //! Engine tests without a mount: a real SOURCE directory, a real cache directory, the real
 //! stager threads, and simulated readers that open files the way DataLoader workers do.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -13,6 +13,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::catalog::{Datasets, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{SamplerConfig, SamplerKind};
+use crate::plan::{Order, TrackerSettings};
 
 /// Content of sample file `i`: distinct per file and per offset, so any mix-up shows.
 fn content(i: u32, size: usize) -> Vec<u8> {
@@ -144,6 +145,7 @@ impl Setup {
                 window: 256,
                 ..TrackerSettings::default()
             },
+            eviction: EvictionKind::Belady,
         };
         let source = Arc::new(FlakySource::new(catalog.root_path()));
         source.broken.store(self.source_broken, Ordering::SeqCst);
@@ -173,6 +175,11 @@ impl Setup {
 }
 
 /// Sample index of a file id: the number in its name `fNNNNNN.bin`.
+/// The files `order` reads in `epoch`, in order.
+fn files_of(order: &Order, epoch: u64) -> Vec<FileId> {
+    order.stream(epoch).iter().filter_map(|f| f.get()).collect()
+}
+
 fn sample_of(catalog: &Catalog, file: FileId) -> u32 {
     catalog.name(file).to_str().unwrap()[1..7].parse().unwrap()
 }
@@ -266,8 +273,33 @@ impl Harness {
     fn read_epoch(&self, epoch: u64, batch: usize, workers: usize, compute: Duration) {
         // The planner plans an epoch once the cursor enters the one before, off the reader's
         // path; a real job takes that long to reach it, these tiny epochs may not.
-        assert!(self.eventually(|| self.plan.planned(epoch).is_some()));
-        read_batches(self, &self.plan.files(epoch), batch, workers, compute);
+        assert!(self.eventually(|| self.planned(epoch)));
+        read_batches(self, &self.files(epoch), batch, workers, compute);
+    }
+
+    /// The files epoch `epoch` of the prediction in force reads, in order.
+    fn files(&self, epoch: u64) -> Vec<FileId> {
+        let generation = self.plan.generation();
+        self.plan.epoch(&generation, epoch).files()
+    }
+
+    /// Whether the core has epoch `epoch` planned.
+    fn planned(&self, epoch: u64) -> bool {
+        let core = self.stager().inner.core.lock();
+        core.tracker().planned(epoch).is_some()
+    }
+
+    fn epoch_len(&self) -> u64 {
+        self.plan.generation().epoch_len
+    }
+
+    /// The order a job with `sampler` on `ranks` reads this dataset in.
+    fn reader(&self, sampler: SamplerConfig, ranks: Vec<u32>) -> Order {
+        Order {
+            sampler,
+            ranks,
+            layout: self.plan.generation().layout.clone(),
+        }
     }
 
     fn get(&self, c: &AtomicU64) -> u64 {
@@ -403,18 +435,12 @@ fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
         let capacity = h.stager().gauges().cache_capacity_bytes;
         // Before the first open, the frontier fills the cache with rank 0's files.
         assert!(h.eventually(|| h.stager().gauges().cache_used_bytes > capacity / 2));
-        let mut reader_cfg = h.plan.sampler().clone();
+        let mut reader_cfg = h.plan.configured().clone();
         reader_cfg.world_size = 2;
-        let reader = Plan::new(
-            reader_cfg,
-            vec![reader_rank],
-            h.plan.layout().clone(),
-            h.catalog.len(),
-        )
-        .unwrap();
+        let reader = h.reader(reader_cfg, vec![reader_rank]);
         let mut read = HashSet::new();
         for epoch in 0..2 {
-            let files = reader.files(epoch);
+            let files = files_of(&reader, epoch);
             read_files(&h, &files, 8, 2);
             read.extend(files);
         }
@@ -427,7 +453,7 @@ fn copies_staged_for_a_wrong_prediction_are_evicted_and_counted_as_wasted() {
             assert!(g.mispredictions >= 1_950, "{g:?}");
             assert!(g.prediction_quality.unwrap() < 0.05, "{g:?}");
             // The copies made for rank 0 and never read went first, counted as wasted.
-            let unread = h.plan.files(0).into_iter().filter(|f| !read.contains(f));
+            let unread = h.files(0).into_iter().filter(|f| !read.contains(f));
             assert_eq!(h.stager().cached_count(unread), 0);
             assert!(wasted > capacity / 2, "{wasted} bytes wasted of {capacity}");
         } else {
@@ -474,7 +500,7 @@ fn source_errors_reach_only_that_file_and_staging_carries_on() {
         started.elapsed()
     );
     assert!(h.get(&h.counters.errors) >= 1);
-    for &f in h.plan.files(0).iter().filter(|&&f| f != bad) {
+    for &f in h.files(0).iter().filter(|&&f| f != bad) {
         h.check(f);
     }
     // The source heals: the same file now reads fine.
@@ -526,7 +552,7 @@ fn a_file_changed_on_the_source_is_refused_at_once_and_staging_goes_on() {
     // No pause: everything else is staged and served.
     assert!(h.eventually(|| h.get(&h.counters.staged_files) == 57));
     let changed = [h.file_of[10], h.file_of[20], h.file_of[30]];
-    for &f in h.plan.files(0).iter().filter(|f| !changed.contains(f)) {
+    for &f in h.files(0).iter().filter(|f| !changed.contains(f)) {
         h.check(f);
     }
     assert_eq!(h.get(&h.counters.hits), 57);
@@ -581,7 +607,7 @@ fn a_broken_source_pauses_staging_which_resumes_by_itself() {
     setup.retries = 0;
     setup.source_broken = true;
     let h = setup.build();
-    let first = h.plan.files(0)[0];
+    let first = h.files(0)[0];
     assert_eq!(h.read(first), Err(libc::EIO));
     let opens_while_broken = h.source.opens.load(Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(300));
@@ -592,7 +618,7 @@ fn a_broken_source_pauses_staging_which_resumes_by_itself() {
         h.eventually(|| h.get(&h.counters.staged_files) >= 59),
         "staging resumed"
     );
-    for &f in &h.plan.files(0) {
+    for &f in &h.files(0) {
         h.check(f);
     }
 }
@@ -613,7 +639,7 @@ fn a_resumed_job_is_never_an_error_and_is_found_again() {
     setup.min = 10;
     setup.max = 100;
     let h = setup.build();
-    let truth = h.plan.files(3);
+    let truth = h.files(3);
     for &f in &truth[..200] {
         h.check(f);
     }
@@ -692,6 +718,7 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
         retries: 0,
         open_timeout: Duration::from_secs(20),
         tracker: TrackerSettings::default(),
+        eviction: EvictionKind::Belady,
     };
     h.stager = Some(start_stager(
         &h.dir,
@@ -893,7 +920,7 @@ proptest! {
                 let (h, versions, errors) = (&h, &versions, &errors);
                 s.spawn(move || {
                     for epoch in 0..2 {
-                        for (k, &f) in h.plan.files(epoch).iter().enumerate() {
+                        for (k, &f) in h.files(epoch).iter().enumerate() {
                             if k as u64 % 2 != reader {
                                 continue;
                             }
@@ -1013,7 +1040,7 @@ fn announcements_of_two_ranks_merge_and_an_ahead_one_crosses_the_boundary() {
         .announce(&train(), 0, 1, r1[60..].to_vec(), true)
         .unwrap();
     assert_eq!(h.plan.fed_ranks(0), [0, 1]);
-    let merged = h.plan.files(0);
+    let merged = h.files(0);
     assert_eq!(merged.len(), 120);
     assert_eq!(&merged[..4], &[r0[0], r1[60], r0[1], r1[61]]);
     // The next epoch, announced ahead, is staged before the job gets there.
@@ -1029,7 +1056,8 @@ fn announcements_of_two_ranks_merge_and_an_ahead_one_crosses_the_boundary() {
     let hits = h.get(&h.counters.hits);
     read_files(&h, &next, 8, 2);
     assert_eq!(h.get(&h.counters.hits) - hits, 120);
-    assert_eq!(h.stager().gauges().mispredictions, 0);
+    let g = h.stager().gauges();
+    assert_eq!(g.mispredictions, 0, "{g:?}");
 }
 
 #[test]
@@ -1041,7 +1069,7 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
     h.stager()
         .announce(&train(), 0, 0, order.clone(), true)
         .unwrap();
-    let first_len = h.plan.epoch_len();
+    let first_len = h.epoch_len();
     // A sampler with replacement, drawing more samples than there are files.
     let long: Vec<FileId> = order
         .iter()
@@ -1052,8 +1080,8 @@ fn an_announcement_longer_than_the_epoch_grows_it_and_stays_exact() {
     h.stager()
         .announce(&train(), 1, 0, long.clone(), true)
         .unwrap();
-    assert!(h.plan.epoch_len() > first_len && h.plan.epoch_len() >= long.len() as u64);
-    assert_eq!(h.plan.files(1), long);
+    assert!(h.epoch_len() > first_len && h.epoch_len() >= long.len() as u64);
+    assert_eq!(h.files(1), long);
     read_files(&h, &long, 8, 2);
     let g = h.stager().gauges();
     assert_eq!((g.mispredictions, g.epoch, g.mode), (0, 1, "predicting"));
@@ -1077,9 +1105,9 @@ fn auto_finds_the_order_from_the_first_opens_and_predicts_it() {
     // The job: DataLoader(shuffle=True, generator=torch.Generator().manual_seed(7)).
     let mut job = SamplerConfig::new(SamplerKind::TorchRandom);
     job.seed = 7;
-    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
+    let reader = h.reader(job, vec![0]);
     for epoch in 0..2 {
-        read_files(&h, &reader.files(epoch), 16, 2);
+        read_files(&h, &files_of(&reader, epoch), 16, 2);
     }
     let g = h.stager().gauges();
     assert_eq!(g.sampler, "torch-random");
@@ -1103,8 +1131,8 @@ fn auto_searches_again_when_a_late_worker_opens_the_order_s_start() {
     let h = Setup::new(2_000, SamplerKind::Auto).build();
     let mut job = SamplerConfig::new(SamplerKind::TorchRandom);
     job.seed = 5;
-    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
-    let files = reader.files(0);
+    let reader = h.reader(job, vec![0]);
+    let files = files_of(&reader, 0);
     const WORKER_1: u32 = 1;
     for batch in [1, 3] {
         for &f in &files[16 * batch..16 * (batch + 1)] {
@@ -1135,8 +1163,8 @@ fn a_short_rank_re_reading_the_first_batch_does_not_lose_the_next_epochs() {
     setup.sampler.generator = crate::order::GeneratorSource::Sampler;
     let h = setup.build();
     for epoch in 0..3 {
-        assert!(h.eventually(|| h.plan.planned(epoch).is_some()));
-        let mut files = h.plan.files(epoch);
+        assert!(h.eventually(|| h.planned(epoch)));
+        let mut files = h.files(epoch);
         let first_batch = files[..16].to_vec();
         files.extend(first_batch);
         read_batches(&h, &files, 16, 4, Duration::ZERO);
@@ -1158,9 +1186,9 @@ fn auto_tells_a_reseeding_sampler_from_a_continuing_one_in_the_second_epoch() {
     let h = Setup::new(2_000, SamplerKind::Auto).build();
     let mut job = SamplerConfig::new(SamplerKind::TorchDistributed);
     job.seed = 42;
-    let reader = Plan::new(job, vec![0], h.plan.layout().clone(), h.catalog.len()).unwrap();
+    let reader = h.reader(job, vec![0]);
     for epoch in 0..3 {
-        read_files(&h, &reader.files(epoch), 16, 2);
+        read_files(&h, &files_of(&reader, epoch), 16, 2);
     }
     let g = h.stager().gauges();
     assert_eq!(

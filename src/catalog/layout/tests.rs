@@ -203,5 +203,5 @@ fn any_directory_can_be_a_dataset_root() {
     let err = datasets.at(Path::new("test")).err().unwrap().to_string();
     assert!(err.contains("--dataset test"), "{err}");
     let err = datasets.at(Path::new("val/a")).err().unwrap().to_string();
-    assert!(err.contains("no samples in val/a"), "{err}");
+    assert!(err.contains("no samples in the source's val/a"), "{err}");
 }

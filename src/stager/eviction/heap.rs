@@ -1,16 +1,7 @@
-//! Which cached file to drop: the one whose next use is furthest away (Belady's rule).
-//!
-//! Because stagefs knows the future, the optimal offline policy is available online. Each
-//! cached file is keyed by its next planned position; files not needed again within the plan's
-//! horizon carry [`NEVER`](crate::plan::NEVER) and go first. When no prediction is available
-//! the key is an LRU stamp instead, so the same index serves both modes.
+//! [`KeyedHeap`]: cached files by a key, the largest first, each movable and removable in
+//! O(log n). What the key means is the policy's (see the parent module).
 
 use crate::catalog::FileId;
-use crate::plan::Position;
-
-/// Keys of LRU-stamped files count down from here, so a more recent use is a smaller key
-/// (kept longer) and all of them rank after predicted keys of real positions.
-const LRU_TOP: u64 = u64::MAX - 1;
 
 /// Marks a file that is not in the heap.
 const ABSENT: u32 = u32::MAX;
@@ -20,13 +11,13 @@ const ABSENT: u32 = u32::MAX;
 /// map of keys took about 60 bytes per cached file, which at millions of cached files was most
 /// of the daemon's memory.
 #[derive(Default)]
-pub struct EvictionIndex {
+pub struct KeyedHeap {
     heap: Vec<(u64, FileId)>,
     /// Heap slot of each file id, [`ABSENT`] if not cached; grown on demand.
     slot: Vec<u32>,
 }
 
-impl EvictionIndex {
+impl KeyedHeap {
     pub fn len(&self) -> usize {
         self.heap.len()
     }
@@ -42,17 +33,8 @@ impl EvictionIndex {
         self.slot_of(file).is_some()
     }
 
-    /// Sets (or moves) `file`'s key to its next use.
-    pub fn set_next_use(&mut self, file: FileId, next_use: Position) {
-        self.set_key(file, next_use);
-    }
-
-    /// Sets `file`'s key to an LRU stamp (`seq` grows with every access).
-    pub fn set_recently_used(&mut self, file: FileId, seq: u64) {
-        self.set_key(file, LRU_TOP - seq.min(LRU_TOP / 2));
-    }
-
-    fn set_key(&mut self, file: FileId, key: u64) {
+    /// Sets (or moves) `file`'s key.
+    pub fn set(&mut self, file: FileId, key: u64) {
         match self.slot_of(file) {
             Some(i) => {
                 self.heap[i].0 = key;
@@ -85,8 +67,8 @@ impl EvictionIndex {
         }
     }
 
-    /// The file needed furthest in the future and its key.
-    pub fn furthest(&self) -> Option<(u64, FileId)> {
+    /// The file with the largest key, and the key.
+    pub fn top(&self) -> Option<(u64, FileId)> {
         self.heap.first().copied()
     }
 
@@ -94,7 +76,8 @@ impl EvictionIndex {
         self.heap.iter().map(|&(_, f)| f).collect()
     }
 
-    /// `file`'s current key, if it is cached.
+    /// `file`'s current key, if it is in the heap.
+    #[cfg(test)]
     pub fn key(&self, file: FileId) -> Option<u64> {
         self.slot_of(file).map(|i| self.heap[i].0)
     }
@@ -153,30 +136,30 @@ mod tests {
     use crate::plan::NEVER;
 
     #[test]
-    fn furthest_next_use_goes_first_and_never_before_all() {
-        let mut ix = EvictionIndex::default();
-        ix.set_next_use(1, 10);
-        ix.set_next_use(2, 500);
-        ix.set_next_use(3, 50);
-        assert_eq!(ix.furthest(), Some((500, 2)));
-        ix.set_next_use(3, NEVER);
-        assert_eq!(ix.furthest(), Some((NEVER, 3)));
+    fn the_largest_key_is_on_top() {
+        let mut ix = KeyedHeap::default();
+        ix.set(1, 10);
+        ix.set(2, 500);
+        ix.set(3, 50);
+        assert_eq!(ix.top(), Some((500, 2)));
+        ix.set(3, NEVER);
+        assert_eq!(ix.top(), Some((NEVER, 3)));
         ix.remove(3);
-        ix.set_next_use(2, 5);
-        assert_eq!(ix.furthest(), Some((10, 1)));
+        ix.set(2, 5);
+        assert_eq!(ix.top(), Some((10, 1)));
         assert_eq!(ix.len(), 2);
     }
 
     #[test]
     fn files_keyed_finds_exactly_that_key() {
-        let mut ix = EvictionIndex::default();
-        ix.set_next_use(1, NEVER);
-        ix.set_next_use(2, 7);
-        ix.set_next_use(3, NEVER);
-        ix.set_next_use(4, NEVER - 1);
+        let mut ix = KeyedHeap::default();
+        ix.set(1, NEVER);
+        ix.set(2, 7);
+        ix.set(3, NEVER);
+        ix.set(4, NEVER - 1);
         assert_eq!(ix.files_keyed(NEVER), vec![1, 3]);
         assert_eq!(ix.key(2), Some(7));
-        ix.set_next_use(3, 9);
+        ix.set(3, 9);
         assert_eq!(ix.files_keyed(NEVER), vec![1]);
         assert_eq!(ix.key(5), None);
     }
@@ -186,34 +169,23 @@ mod tests {
         /// and every key are the model's.
         #[test]
         fn behaves_like_a_sorted_set(ops in proptest::collection::vec((0u32..40, 0u64..30, proptest::bool::ANY), 0..300)) {
-            let mut ix = EvictionIndex::default();
+            let mut ix = KeyedHeap::default();
             let mut model = std::collections::BTreeMap::new();
             for (file, key, remove) in ops {
                 if remove {
                     ix.remove(file);
                     model.remove(&file);
                 } else {
-                    ix.set_next_use(file, key);
+                    ix.set(file, key);
                     model.insert(file, key);
                 }
                 let want = model.iter().map(|(&f, &k)| (k, f)).max();
-                proptest::prop_assert_eq!(ix.furthest(), want);
+                proptest::prop_assert_eq!(ix.top(), want);
                 proptest::prop_assert_eq!(ix.len(), model.len());
             }
             for f in 0..40 {
                 proptest::prop_assert_eq!(ix.key(f), model.get(&f).copied());
             }
         }
-    }
-
-    #[test]
-    fn lru_stamps_evict_the_oldest_use() {
-        let mut ix = EvictionIndex::default();
-        ix.set_recently_used(7, 1);
-        ix.set_recently_used(8, 2);
-        ix.set_recently_used(9, 3);
-        assert_eq!(ix.furthest().unwrap().1, 7);
-        ix.set_recently_used(7, 4);
-        assert_eq!(ix.furthest().unwrap().1, 8);
     }
 }
