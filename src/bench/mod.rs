@@ -677,8 +677,7 @@ impl ColdCache<'_> {
         if !self.enabled {
             return;
         }
-        // SAFETY: no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
+        if crate::sys::euid() == 0 {
             // Dirty pages are not dropped: write out the benchmark's first.
             if let Err(e) = self.work.sync() {
                 log::debug!("syncing {}: {e}", self.work.path().display());
@@ -717,12 +716,7 @@ impl ColdCache<'_> {
 
 /// Asks the kernel to drop `file`'s clean cached pages (dirty ones stay).
 fn evict(file: &fs::File) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a valid descriptor; offset 0 and length 0 mean the whole file.
-    match unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) } {
-        0 => Ok(()),
-        errno => Err(io::Error::from_raw_os_error(errno)),
-    }
+    crate::sys::drop_cached_pages(std::os::fd::AsFd::as_fd(file))
 }
 
 /// [`evict`] for every regular file under `dir`, written out first (the benchmark wrote
@@ -749,16 +743,7 @@ fn evict_tree(dir: &Path) -> u64 {
 
 /// Whether `path` is on a file system kept in memory (tmpfs, ramfs), as /tmp often is.
 fn in_memory(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs is plain data, for which all zeroes is a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and out pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return false;
-    }
-    [libc::TMPFS_MAGIC, RAMFS_MAGIC].contains(&st.f_type)
+    crate::sys::statfs(path).is_ok_and(|st| [libc::TMPFS_MAGIC, RAMFS_MAGIC].contains(&st.f_type))
 }
 
 /// ramfs's statfs type (linux/magic.h), which the libc crate does not name.
@@ -770,27 +755,9 @@ mod tests {
 
     /// Pages of `path` in the page cache, by mincore over a mapping of it.
     fn resident_pages(path: &Path) -> usize {
-        use std::os::fd::AsRawFd;
         let file = fs::File::open(path).unwrap();
         let len = file.metadata().unwrap().len() as usize;
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let mut pages = vec![0u8; len.div_ceil(page)];
-        // SAFETY: a read-only shared mapping of a file this test owns, unmapped below.
-        unsafe {
-            let map = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            );
-            assert_ne!(map, libc::MAP_FAILED);
-            assert_eq!(libc::mincore(map, len, pages.as_mut_ptr()), 0);
-            libc::munmap(map, len);
-        }
-        pages.iter().filter(|p| **p & 1 == 1).count()
+        crate::sys::resident_pages(std::os::fd::AsFd::as_fd(&file), len).unwrap()
     }
 
     #[test]

@@ -281,8 +281,8 @@ pub fn run() -> i32 {
         // Rust ignores SIGPIPE, which makes a print to a closed pipe panic. A command whose
         // reader went away (`stagefs stats --watch | head -1`) should just end, as `cat`
         // does. Not for the commands that hold a mount: they must live to unmount it.
-        // SAFETY: restoring a default disposition, before any other thread exists.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        // Before any other thread exists.
+        crate::sys::restore_default_sigpipe();
     }
     let result = match cli.command {
         Command::Mount(args) => mount::run(&args),

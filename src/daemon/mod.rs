@@ -18,5 +18,5 @@ pub mod mounts;
 pub use assemble::start;
 pub use config::{Capacity, Lookahead, MountConfig};
 pub use error::{MetricsFileProblem, MountError};
-pub use lifecycle::{RunningMount, block_termination_signals, run};
+pub use lifecycle::{RunningMount, run};
 pub use logging::logger;
