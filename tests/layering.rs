@@ -170,7 +170,10 @@ fn references_are_found_in_paths_and_groups() {
 
 #[test]
 fn a_module_folder_counts_as_its_module() {
-    assert_eq!(module_of(Path::new("sys/beneath.rs")).as_deref(), Some("sys"));
+    assert_eq!(
+        module_of(Path::new("sys/beneath.rs")).as_deref(),
+        Some("sys")
+    );
     assert_eq!(module_of(Path::new("sys/mod.rs")).as_deref(), Some("sys"));
     assert_eq!(module_of(Path::new("sys.rs")).as_deref(), Some("sys"));
     assert_eq!(module_of(Path::new("lib.rs")), None);

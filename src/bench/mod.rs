@@ -259,8 +259,7 @@ fn scan(source: &Path, config: &BenchConfig) -> Result<Catalog, BenchError> {
     let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
     scanning.enable_steady_tick(SPINNER_TICK);
     let root = source.to_path_buf();
-    let scan =
-        std::thread::spawn(move || Catalog::scan(&root, MountConfig::default().scan_threads));
+    let scan = std::thread::spawn(move || Catalog::scan(&root, daemon::defaults::SCAN_THREADS));
     let finished = wait_unless_cancelled(&scan, &config.cancel);
     scanning.finish_and_clear();
     if !finished {
@@ -438,7 +437,7 @@ impl Bench<'_> {
             cancel: self.config.cancel.clone(),
             bar: bar.clone(),
         });
-        let threads = MountConfig::default().stage_threads.min(self.paths.len());
+        let threads = daemon::defaults::STAGE_THREADS.min(self.paths.len());
         let copiers: Vec<_> = (0..threads)
             .map(|_| {
                 let copier = copier.clone();

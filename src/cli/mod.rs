@@ -189,7 +189,7 @@ impl SamplerArgs {
 #[command(next_help_heading = "Dataset layout (index → file)")]
 pub struct LayoutArgs {
     /// imagefolder (torchvision ImageFolder), tree (all files sorted by path), list (--list-file)
-    #[arg(long, value_enum, default_value_t = LayoutKind::ImageFolder, value_name = "KIND")]
+    #[arg(long, value_enum, default_value_t = crate::daemon::defaults::LAYOUT, value_name = "KIND")]
     pub layout: LayoutKind,
     /// imagefolder: file extensions that count as samples (comma separated, case-insensitive)
     #[arg(long, value_delimiter = ',', value_name = "EXT,...")]

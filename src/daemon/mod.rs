@@ -10,6 +10,7 @@
 mod assemble;
 mod checks;
 mod config;
+pub mod defaults;
 mod error;
 mod lifecycle;
 mod logging;
