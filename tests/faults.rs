@@ -192,29 +192,6 @@ fn assert_cache_consistent(cache: &Path, ds: &Dataset) -> usize {
 // ---------------------------------------------------------------------------------------------
 // Processes and waiting.
 
-/// Polls `done` every 50 ms for at most `bound`; panics naming `what` if it never holds.
-/// Returns how long it took.
-fn wait_until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < bound, "waited {bound:?} for {what}");
-        thread::sleep(Duration::from_millis(50));
-    }
-    start.elapsed()
-}
-
-fn daemon_pid(mnt: &Path) -> i32 {
-    xattr(mnt, "user.stagefs.pid")
-        .expect("user.stagefs.pid")
-        .parse()
-        .expect("pid")
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill(2) has no memory preconditions.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
-}
-
 /// Resident memory of `pid` in kB (VmRSS).
 fn rss_kb(pid: i32) -> u64 {
     fs::read_to_string(format!("/proc/{pid}/status"))
@@ -232,7 +209,7 @@ fn processes_mentioning(needle: &Path) -> Vec<i32> {
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid as u32 != std::process::id() && alive(pid))
+        .filter(|&pid| pid as u32 != std::process::id() && process_alive(pid))
         .filter(|pid| {
             fs::read(format!("/proc/{pid}/cmdline"))
                 .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
@@ -359,7 +336,7 @@ fn kill9_mid_epoch_then_remount_reuses_completed_files() {
         completed.len()
     );
     wait_until(Duration::from_secs(10), "the killed daemon to exit", || {
-        !alive(pid)
+        !process_alive(pid)
     });
 
     // `stagefs unmount` removes the dead mount.
@@ -931,7 +908,7 @@ fn sigterm_during_heavy_reading_unmounts_cleanly_and_leaves_a_consistent_cache()
         let exit = wait_until(
             Duration::from_secs(30),
             "the daemon to exit after SIGTERM",
-            || !alive(pid),
+            || !process_alive(pid),
         );
         stop.store(true, Ordering::SeqCst);
         eprintln!(
