@@ -1,6 +1,6 @@
 //! The raw Linux calls stagefs makes that std does not wrap, in one place, each behind a safe
-//! function (every `unsafe` of the crate outside the FUSE glue is here, with its `SAFETY:`
-//! note), grouped by concern:
+//! function whose `unsafe` block says why it is sound (`SAFETY:`): the rest of the crate calls
+//! these, not libc. Grouped by concern:
 //!
 //! - [`beneath`]: opening, listing and describing files *beneath* a directory descriptor
 //!   without following links (openat2, or a walk one component at a time), which the scan,
