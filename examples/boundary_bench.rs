@@ -63,36 +63,10 @@ fn main() {
     let local_ranks = args.get(1).copied().unwrap_or(8) as u32;
 
     let dir = tempfile::tempdir().unwrap();
-    let one = dir.path().join("one-byte");
-    std::fs::write(&one, b"x").unwrap();
-    // The catalog's mtime, to the nanosecond, and identity (below), or every copy would
-    // count as a changed source.
-    let mtime_secs = 1_600_000_000;
-    File::options()
-        .write(true)
-        .open(&one)
-        .unwrap()
-        .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(mtime_secs as u64))
-        .unwrap();
-    let tree = Synthetic {
-        files,
-        classes: 1_000,
-        size_of: |_| 1,
-        mtime_secs,
-        // Every catalog entry is this one file, as far as the stager's checks can tell.
-        identity: stagefs::catalog::identity(&std::fs::metadata(&one).unwrap()),
-    };
+    let one = one_byte_file(dir.path());
     let root = PathBuf::from("/synthetic/imagenet");
-    let catalog = Arc::new(Catalog::scan_with(&root, &tree, 2).unwrap());
-    let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
-    let layout = datasets.get(ROOT).unwrap();
-    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
-    sampler.world_size = 64;
-    let plan =
-        Arc::new(Plan::new(sampler, (0..local_ranks).collect(), layout, catalog.len()).unwrap());
-    let generation = plan.generation();
-    let share = generation.epoch_len;
-    let epoch_files = |epoch| plan.epoch(&generation, epoch).files();
+    let (datasets, plan) = imagenet_plan(&root, files, local_ranks, &one);
+    let share = plan.generation().epoch_len;
     println!("{files} files; this node: {local_ranks} ranks of 64, {share} opens per epoch");
 
     let cache = CacheDir::open(&dir.path().join("cache"), &root).unwrap();
@@ -102,22 +76,92 @@ fn main() {
         Arc::new(OneFile(one)),
         cache,
         plan.clone(),
-        StagerSettings {
-            threads: 16,
-            lookahead_files: u64::MAX,
-            lookahead_bytes: u64::MAX,
-            capacity: u64::MAX,
-            read_through_above: u64::MAX,
-            retries: 0,
-            open_timeout: Duration::from_secs(600),
-            tracker: TrackerSettings::default(),
-            eviction: EvictionKind::Belady,
-        },
+        settings(),
         counters.clone(),
     );
+    stage_epochs_0_and_1(&stager, &plan);
+
+    // The last open of epoch 0 moves the cursor into epoch 1.
+    let epoch1_opens = 10_000.min(share as usize);
+    let latencies = open_in_order(&stager, &plan, epoch1_opens);
+    report(&latencies, share as usize, epoch1_opens);
+    println!(
+        "after epoch 1's first {epoch1_opens} opens: {} hits, {} misses",
+        counters.hits.load(Ordering::Relaxed),
+        counters.misses.load(Ordering::Relaxed)
+    );
+    stager.shutdown();
+}
+
+/// The catalog's mtime of every file.
+const MTIME_SECS: i64 = 1_600_000_000;
+
+/// The one-byte file every source path is, with the catalog's mtime (to the nanosecond: or
+/// every copy would count as a changed source).
+fn one_byte_file(dir: &Path) -> PathBuf {
+    let one = dir.join("one-byte");
+    std::fs::write(&one, b"x").unwrap();
+    File::options()
+        .write(true)
+        .open(&one)
+        .unwrap()
+        .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(MTIME_SECS as u64))
+        .unwrap();
+    one
+}
+
+/// A synthetic ImageFolder of `files` files over 1,000 classes at `root`, each the file `one`
+/// as far as the stager's checks can tell, and the plan of `local_ranks` ranks of a
+/// torch-distributed world of 64 over it.
+fn imagenet_plan(
+    root: &Path,
+    files: u64,
+    local_ranks: u32,
+    one: &Path,
+) -> (Arc<Datasets>, Arc<Plan>) {
+    let tree = Synthetic {
+        files,
+        classes: 1_000,
+        size_of: |_| 1,
+        mtime_secs: MTIME_SECS,
+        identity: stagefs::catalog::identity(&std::fs::metadata(one).unwrap()),
+    };
+    let catalog = Arc::new(Catalog::scan_with(root, &tree, 2).unwrap());
+    let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
+    let layout = datasets.get(ROOT).unwrap();
+    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    sampler.world_size = 64;
+    let plan =
+        Arc::new(Plan::new(sampler, (0..local_ranks).collect(), layout, catalog.len()).unwrap());
+    (datasets, plan)
+}
+
+/// The node's stream of `epoch` in the plan's current generation.
+fn epoch_files(plan: &Plan, epoch: u64) -> Vec<u32> {
+    plan.epoch(&plan.generation(), epoch).files()
+}
+
+/// Stages as far and as fast as it can, and waits for no reader.
+fn settings() -> StagerSettings {
+    StagerSettings {
+        threads: 16,
+        lookahead_files: u64::MAX,
+        lookahead_bytes: u64::MAX,
+        capacity: u64::MAX,
+        read_through_above: u64::MAX,
+        retries: 0,
+        open_timeout: Duration::from_secs(600),
+        tracker: TrackerSettings::default(),
+        eviction: EvictionKind::Belady,
+    }
+}
+
+/// Waits until the node's files of epochs 0 and 1 are cached; reports how long that took and
+/// what the engine's memory grew by.
+fn stage_epochs_0_and_1(stager: &Stager, plan: &Plan) {
     let t = Instant::now();
-    let mut both: Vec<u32> = epoch_files(0);
-    both.extend(epoch_files(1));
+    let mut both: Vec<u32> = epoch_files(plan, 0);
+    both.extend(epoch_files(plan, 1));
     both.sort_unstable();
     both.dedup();
     let before = rss_bytes();
@@ -130,26 +174,34 @@ fn main() {
         t.elapsed(),
         rss_bytes().saturating_sub(before) as f64 / both.len() as f64
     );
+}
 
-    // The last open of epoch 0 moves the cursor into epoch 1.
-    let epoch1_opens = 10_000.min(share as usize);
-    let mut latencies: Vec<(Duration, u64, usize)> = Vec::new();
+/// Opens the node's stream of epoch 0 and the first `epoch1_opens` of epoch 1 in order: each
+/// open's (time, epoch, index).
+fn open_in_order(stager: &Stager, plan: &Plan, epoch1_opens: usize) -> Vec<(Duration, u64, usize)> {
+    let mut latencies = Vec::new();
     for epoch in 0..2 {
-        let stream = epoch_files(epoch);
+        let stream = epoch_files(plan, epoch);
         let take = if epoch == 0 {
             stream.len()
         } else {
             epoch1_opens
         };
         for (i, &file) in stream.iter().take(take).enumerate() {
-            latencies.push((timed_open(&stager, file), epoch, i));
+            latencies.push((timed_open(stager, file), epoch, i));
         }
     }
+    latencies
+}
+
+/// The opens' percentiles, the one that crossed into epoch 1 (open `share` of the stream) and
+/// the slowest.
+fn report(latencies: &[(Duration, u64, usize)], share: usize, epoch1_opens: usize) {
     let mut sorted: Vec<Duration> = latencies.iter().map(|l| l.0).collect();
     sorted.sort();
     let pct = |p: f64| sorted[((sorted.len() - 1) as f64 * p) as usize];
     let slowest = latencies.iter().max_by_key(|l| l.0).unwrap();
-    let boundary = latencies[share as usize - 1].0;
+    let boundary = latencies[share - 1].0;
     println!(
         "{} opens (epoch 0, then {epoch1_opens} of epoch 1): median {:.1?}, p99 {:.1?}, p99.99 {:.1?}",
         latencies.len(),
@@ -161,10 +213,4 @@ fn main() {
         "the open that crossed into epoch 1 took {boundary:.1?}; the slowest took {:.1?} (epoch {}, open {})",
         slowest.0, slowest.1, slowest.2
     );
-    println!(
-        "after epoch 1's first {epoch1_opens} opens: {} hits, {} misses",
-        counters.hits.load(Ordering::Relaxed),
-        counters.misses.load(Ordering::Relaxed)
-    );
-    stager.shutdown();
 }

@@ -10,7 +10,7 @@
 //!
 //! `tests/bench/open_bench.py --probe target/release/examples/open_cost` mounts both next to
 //! stagefs and reports all of them in one run. Run as root (passthrough needs it):
-//! `open_cost DIR MOUNTPOINT passthrough|no-open`, until SIGINT or SIGTERM; it prints the
+//! `open_cost DIR MOUNTPOINT passthrough|no-open`, until SIGINT, SIGTERM or SIGHUP; it prints the
 //! requests it received, by kind, when it ends.
 
 use std::collections::HashMap;
@@ -312,14 +312,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     config.n_threads = Some(8);
     config.clone_fd = true;
     // Blocked before the FUSE threads start, so they inherit the mask and the signal waits
-    // for sigwait here instead of ending the process before the counts are printed.
-    let signals = sigset(&[libc::SIGINT, libc::SIGTERM]);
-    // SAFETY: a valid, initialized signal set.
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
+    // here instead of ending the process before the counts are printed.
+    let signals = stagefs::sys::TerminationSignals::block();
     let session = fuser::spawn_mount(probe, Path::new(mountpoint), &config)?;
-    let mut signal = 0;
-    // SAFETY: the same set, and an out pointer owned here.
-    unsafe { libc::sigwait(&signals, &mut signal) };
+    signals.wait();
     drop(session);
     let c = &counts;
     println!(
@@ -332,16 +328,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         c.ioctl.load(Ordering::Relaxed),
     );
     Ok(())
-}
-
-fn sigset(signals: &[i32]) -> libc::sigset_t {
-    // SAFETY: sigemptyset initializes the set; sigaddset takes valid signal numbers.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for &s in signals {
-            libc::sigaddset(&mut set, s);
-        }
-        set
-    }
 }

@@ -39,9 +39,7 @@ mod tests {
             assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{device}");
         }
         let fifo = dir.path().join("fifo");
-        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: a valid C string; mkfifo only creates the node.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        crate::sys::mkfifo(&fifo, 0o600).unwrap();
         let writer = std::thread::spawn({
             let fifo = fifo.clone();
             move || std::fs::write(fifo, "7\n").unwrap()

@@ -7,12 +7,13 @@
 //! job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
 //! runs it, [`bench`] measures a mount against reading SOURCE directly and against copying
 //! first, [`cli`] parses the command line into it,
-//! [`sys`] holds the raw Linux calls (openat2 beneath a directory) the stager and fs share,
+//! [`sys`] holds every raw Linux call behind a safe function (openat2 beneath a directory,
+//! mount IDs, pidfds, signals, credentials...),
 //! [`files`] the safe whole-file reads and atomic writes, [`input`] the user's text files;
 //! [`slow_remote`] simulates the shared file system SOURCE lives on (for the demo and tests).
 //!
 //! Imports go one way too, down these layers (bottom first; a module uses only those below it,
-//! which `tests/layering.rs` checks): `sys`, `files`, `input`, `slow_remote` (leaves) < `stats` < `catalog` <
+//! which `tests/layering.rs` checks): `sys` < `files`, `input`, `slow_remote` (leaves) < `stats` < `catalog` <
 //! `order` < `plan` < `cache` < `stager` < `fs` < `control` < `daemon` < `bench` < `cli`.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the

@@ -21,9 +21,6 @@ use common::*;
 const CLASSES: u32 = 10;
 const PER_CLASS: u32 = 20;
 
-/// The uid and gid of `nobody`, for a run without root.
-const NOBODY: u32 = 65534;
-
 /// Generous: a run reads 200 small files a few times, and syncs before each epoch.
 const LIMIT_SECS: &str = "300";
 
@@ -332,13 +329,8 @@ fn a_user_without_root_and_a_cache_in_memory_are_both_said() {
     let json_path = cache.join("results.json");
     // A copy nobody can run (the build tree need not be open to other users); no stagefs
     // method, as /dev/fuse may be root's only (it is on the machine this was written on).
-    let exe = work.path().join("stagefs-copy");
-    fs::copy(bin(), &exe).unwrap();
-    let out = Command::new("setpriv")
-        .arg(format!("--reuid={NOBODY}"))
-        .arg(format!("--regid={NOBODY}"))
-        .arg("--clear-groups")
-        .args(["timeout", LIMIT_SECS])
+    let exe = bin_copy(work.path());
+    let out = as_nobody("timeout", [LIMIT_SECS])
         .arg(&exe)
         .args(["bench", source.to_str().unwrap(), "--epochs", "2"])
         .args(["--methods", "direct,copy-first", "--cache"])

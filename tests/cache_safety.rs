@@ -238,9 +238,7 @@ fn metrics_and_log_files_never_take_what_others_put_there() {
     let own = shared.join("own.txt");
     fs::write(&own, b"root's own text, not metrics").unwrap();
     let fifo = shared.join("fifo");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: a valid path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    stagefs::sys::mkfifo(&fifo, 0o666).unwrap();
     let src = source(work);
     let mnt = work.join("mnt");
     fs::create_dir(&mnt).unwrap();

@@ -13,9 +13,6 @@ use std::process::Command;
 
 use common::*;
 
-/// Uid and gid of `nobody`, for the cases root cannot produce (root reads anything).
-const NOBODY: &str = "65534";
-
 /// A valid request: SOURCE (a small ImageFolder), an empty MOUNTPOINT, a CACHE path that does
 /// not exist yet, all in a directory everyone may enter (some cases run as `nobody`).
 struct Setup {
@@ -357,23 +354,12 @@ fn cache_in_use_by_another_mount() {
     first.unmount();
 }
 
-/// `stagefs ARGS` run as `nobody` with `PATH=env_path`, from a copy of the binary `nobody`
-/// can execute (the build tree need not be reachable for other users).
-fn as_nobody(s: &Setup, args: &[String], env_path: &str) -> Command {
-    let exe = s.work.path().join("stagefs-copy");
-    fs::copy(bin(), &exe).unwrap();
-    let mut cmd = Command::new("setpriv");
-    cmd.args([
-        "--reuid",
-        NOBODY,
-        "--regid",
-        NOBODY,
-        "--clear-groups",
-        "env",
-    ])
-    .arg(format!("PATH={env_path}"))
-    .arg(&exe)
-    .args(args);
+/// `stagefs ARGS` run as `nobody` (for the cases root, who reads anything, cannot produce)
+/// with `PATH=env_path`, from a copy of the binary `nobody` can execute.
+fn stagefs_as_nobody(s: &Setup, args: &[String], env_path: &str) -> Command {
+    let exe = bin_copy(s.work.path());
+    let mut cmd = as_nobody("env", [format!("PATH={env_path}")]);
+    cmd.arg(&exe).args(args);
     cmd
 }
 
@@ -394,7 +380,7 @@ fn in_mount_namespace(script: &str, inner: &Command) -> Command {
 fn unreadable_source() {
     let s = setup();
     fs::set_permissions(&s.src, fs::Permissions::from_mode(0o000)).unwrap();
-    let mut cmd = as_nobody(
+    let mut cmd = stagefs_as_nobody(
         &s,
         &mount_args(&s.src, &s.mnt, &s.cache, &[]),
         "/usr/bin:/bin",
@@ -427,7 +413,7 @@ fn no_fuse_device() {
 #[test]
 fn fuse_device_closed_to_the_user() {
     let s = setup();
-    let nobody = as_nobody(
+    let nobody = stagefs_as_nobody(
         &s,
         &mount_args(&s.src, &s.mnt, &s.cache, &[]),
         "/usr/bin:/bin",
@@ -450,7 +436,7 @@ fn fuse_device_closed_to_the_user() {
 #[test]
 fn no_fusermount3_for_unprivileged_user() {
     let s = setup();
-    let nobody = as_nobody(
+    let nobody = stagefs_as_nobody(
         &s,
         &mount_args(&s.src, &s.mnt, &s.cache, &[]),
         "/nonexistent",

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -130,20 +130,8 @@ fn an_announcement_by_path_moves_the_mount_to_predicting() {
     mount.unmount();
 }
 
-const NOBODY: u32 = 65534;
 /// Another user than nobody, who is neither the mount's owner nor root.
 const OTHER: u32 = 65533;
-
-/// A work directory others may traverse (tempdir makes it 0700).
-fn open_workdir() -> tempfile::TempDir {
-    let work = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        work.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    work
-}
 
 /// A client run as `uid` (its gid the same, no groups) on `connections` connections to the
 /// mount's channel, each sending `requests` (one JSON list, written to its stdin) and printing
@@ -178,15 +166,8 @@ if sys.argv[3] == "hold":
     print("held", flush=True)
     sys.stdin.read()
 "#;
-    let mut child = Command::new("setpriv")
-        .args([
-            &format!("--reuid={uid}"),
-            &format!("--regid={uid}"),
-            "--clear-groups",
-            "/usr/bin/python3",
-            "-c",
-            script,
-        ])
+    let mut child = as_user(uid, &[])
+        .args(["/usr/bin/python3", "-c", script])
         .arg(address(mount))
         .arg(connections.to_string())
         .arg(if hold { "hold" } else { "once" })

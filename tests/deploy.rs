@@ -16,7 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestMount, alive, bin, getfattr, image_folder, is_mounted, stagefs, stats_at, text};
+use common::{
+    TestMount, bin, daemon_pid, image_folder, is_mounted, process_alive, signal, stagefs, stats_at,
+    text, wait_until,
+};
 use tempfile::TempDir;
 
 /// Longest any single step may take before the test gives up (a hang guard, not a timing check).
@@ -102,8 +105,8 @@ fn drop_utab_entry(mnt: &Path) {
     else {
         return;
     };
-    // SAFETY: flock on a file we hold open; the lock is released when `lock` is dropped.
-    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+    // Released when `lock` is dropped.
+    let _ = lock.lock();
     let Ok(body) = fs::read_to_string(utab) else {
         return;
     };
@@ -134,25 +137,10 @@ fn wait_deadline(child: &mut Child, what: &str) -> ExitStatus {
     }
 }
 
-/// Polls until `cond` holds; fails the test after [`DEADLINE`].
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < DEADLINE, "gave up waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn assert_daemon_exits(pid: i32) {
-    wait_until(&format!("stagefs daemon {pid} to exit"), || !alive(pid));
-}
-
-/// The pid of the daemon serving the mount at `mnt`.
-fn daemon_pid(mnt: &Path) -> i32 {
-    text(&getfattr(mnt, "user.stagefs.pid").expect("user.stagefs.pid"))
-        .trim()
-        .parse()
-        .expect("pid")
+    wait_until(DEADLINE, &format!("stagefs daemon {pid} to exit"), || {
+        !process_alive(pid)
+    });
 }
 
 /// The daemon's command line, argument by argument.
@@ -240,7 +228,7 @@ impl SleeperRun {
 
     /// Waits until the sleeper runs under the mount; returns the daemon's pid.
     fn wait_ready(&self, child: &mut Child, stderr: &Path) -> i32 {
-        wait_until("the command under stagefs-run to start", || {
+        wait_until(DEADLINE, "the command under stagefs-run to start", || {
             if let Some(status) = child.try_wait().unwrap() {
                 panic!(
                     "exited early with {status}: {}",
@@ -448,8 +436,7 @@ fn stagefs_run_forwards_signals_and_cleans_up() {
             .push(spawn_run(&work, &source, &run.mnt, &run.command(name)));
         let child = guard.children.last_mut().unwrap();
         let daemon = run.wait_ready(child, &work.join("run.err"));
-        // SAFETY: plain kill(2) on our own child.
-        assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+        signal(child.id() as i32, sig);
         let status = wait_deadline(child, "stagefs-run after a signal");
         let stderr = run_output(&work).1;
         assert_eq!(
@@ -565,7 +552,7 @@ fn stagefs_run_ctrl_c_while_mounting_leaves_no_mount() {
     let mut guard = Guard::default();
     let mut term = TerminalRun::start(&mut guard, &work, &source, &run);
     let log = work.join("stagefs.log");
-    wait_until("the daemon to start", || log.exists());
+    wait_until(DEADLINE, "the daemon to start", || log.exists());
     term.type_ctrl_c();
     let output = term.finish();
     assert!(

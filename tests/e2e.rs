@@ -651,36 +651,7 @@ fn four_nodes_each_stage_their_share_from_gluster() {
         })
         .collect();
 
-    let results: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..W as usize)
-            .map(|r| {
-                let (mount, data, work, ranks) = (&mounts[r], &data, work.path(), &ranks);
-                s.spawn(move || {
-                    let args = ["--seed", SEED, "--world-size", "4", "--rank", &ranks[r]];
-                    let launch = Launch::new("train_distributed.py", &args);
-                    let mut after_epoch0 = None;
-                    let run = run_both(
-                        work,
-                        &format!("rank{r}"),
-                        (&launch, &launch),
-                        &data.root,
-                        mount,
-                        |e, m| {
-                            if e == 0 {
-                                after_epoch0 = Some(settled(m, data));
-                            }
-                        },
-                    );
-                    (run, after_epoch0.expect("epoch 0 was observed"))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
-    });
-
+    let results = run_nodes(work.path(), &data, &mounts, SEED);
     let mut epoch0_gluster_bytes = 0;
     for (r, ((direct, direct_order, seen), (cached, stats))) in results.iter().enumerate() {
         let what = format!("rank {r} of {W}");
@@ -724,15 +695,71 @@ fn four_nodes_each_stage_their_share_from_gluster() {
             stats["source_bytes"]
         );
     }
-    // Together the four nodes read the whole dataset from GlusterFS for epoch 0, once: the only
-    // excess is the files DistributedSampler repeats to pad the last ranks, when they land in
-    // another rank's share than their first occurrence.
+    assert_epoch0_read_once(&data, &shares, epoch0_gluster_bytes);
+    for m in mounts {
+        m.unmount();
+    }
+    drop(volume);
+}
+
+/// What each node's job (rank r of 4) saw reading directly and through its mount, and the
+/// node's cache and statistics once its epoch 0 settled.
+type NodeRun = (
+    (Vec<Value>, Vec<String>, Observed),
+    (BTreeSet<String>, Value),
+);
+
+/// Runs the training job of each rank of a world of 4 (`seed`) against its mount (rank r's is
+/// `mounts[r]`), all at once.
+fn run_nodes(work: &Path, data: &Dataset, mounts: &[TestMount], seed: &str) -> Vec<NodeRun> {
+    let ranks: Vec<String> = (0..mounts.len()).map(|r| r.to_string()).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..mounts.len())
+            .map(|r| {
+                let (mount, ranks) = (&mounts[r], &ranks);
+                s.spawn(move || {
+                    let args = ["--seed", seed, "--world-size", "4", "--rank", &ranks[r]];
+                    let launch = Launch::new("train_distributed.py", &args);
+                    let mut after_epoch0 = None;
+                    let run = run_both(
+                        work,
+                        &format!("rank{r}"),
+                        (&launch, &launch),
+                        &data.root,
+                        mount,
+                        |e, m| {
+                            if e == 0 {
+                                after_epoch0 = Some(settled(m, data));
+                            }
+                        },
+                    );
+                    (run, after_epoch0.expect("epoch 0 was observed"))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// Together the nodes read the whole dataset from GlusterFS for epoch 0 (their
+/// `epoch0_gluster_bytes`, given each node's epoch `shares`), once: the only excess is the
+/// files DistributedSampler repeats to pad the last ranks, when they land in another rank's
+/// share than their first occurrence.
+fn assert_epoch0_read_once(
+    data: &Dataset,
+    shares: &[Vec<BTreeSet<String>>],
+    epoch0_gluster_bytes: u64,
+) {
+    let nodes = shares.len();
     let all: BTreeSet<String> = data.files.keys().cloned().collect();
     let union: BTreeSet<String> = shares.iter().flat_map(|s| s[0].iter().cloned()).collect();
     assert_eq!(union, all, "the epoch-0 shares cover the dataset");
     let total = data.bytes(&all);
     let mut counted: BTreeMap<&String, u32> = BTreeMap::new();
-    for s in &shares {
+    for s in shares {
         for f in &s[0] {
             *counted.entry(f).or_default() += 1;
         }
@@ -742,7 +769,7 @@ fn four_nodes_each_stage_their_share_from_gluster() {
         .filter(|(_, n)| **n > 1)
         .map(|(f, n)| (*f, *n))
         .collect();
-    let padding = (W as usize * (all.len().div_ceil(W as usize))) - all.len();
+    let padding = (nodes * all.len().div_ceil(nodes)) - all.len();
     assert!(
         repeated
             .iter()
@@ -763,10 +790,6 @@ fn four_nodes_each_stage_their_share_from_gluster() {
     eprintln!(
         "four nodes, epoch 0: {epoch0_gluster_bytes} bytes from GlusterFS for a {total}-byte dataset ({excess} bytes of padding repeats)"
     );
-    for m in mounts {
-        m.unmount();
-    }
-    drop(volume);
 }
 
 /// Files in the feed tests' datasets (small ones: what counts is their number) and the

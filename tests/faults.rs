@@ -192,29 +192,6 @@ fn assert_cache_consistent(cache: &Path, ds: &Dataset) -> usize {
 // ---------------------------------------------------------------------------------------------
 // Processes and waiting.
 
-/// Polls `done` every 50 ms for at most `bound`; panics naming `what` if it never holds.
-/// Returns how long it took.
-fn wait_until(bound: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < bound, "waited {bound:?} for {what}");
-        thread::sleep(Duration::from_millis(50));
-    }
-    start.elapsed()
-}
-
-fn daemon_pid(mnt: &Path) -> i32 {
-    xattr(mnt, "user.stagefs.pid")
-        .expect("user.stagefs.pid")
-        .parse()
-        .expect("pid")
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill(2) has no memory preconditions.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
-}
-
 /// Resident memory of `pid` in kB (VmRSS).
 fn rss_kb(pid: i32) -> u64 {
     fs::read_to_string(format!("/proc/{pid}/status"))
@@ -232,7 +209,7 @@ fn processes_mentioning(needle: &Path) -> Vec<i32> {
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&pid| pid as u32 != std::process::id() && alive(pid))
+        .filter(|&pid| pid as u32 != std::process::id() && process_alive(pid))
         .filter(|pid| {
             fs::read(format!("/proc/{pid}/cmdline"))
                 .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
@@ -359,7 +336,7 @@ fn kill9_mid_epoch_then_remount_reuses_completed_files() {
         completed.len()
     );
     wait_until(Duration::from_secs(10), "the killed daemon to exit", || {
-        !alive(pid)
+        !process_alive(pid)
     });
 
     // `stagefs unmount` removes the dead mount.
@@ -695,13 +672,16 @@ print(reads, errors, wrong)
 sys.exit(1 if errors or wrong else 0)
 "#;
 
+/// Reader threads and reader processes of the 64-reader test.
+const READER_THREADS: usize = 32;
+const READER_PROCESSES: usize = 32;
+/// How long the 64 readers read.
+const READERS_RUN: Duration = Duration::from_secs(15);
+/// Readers that have not finished this long after [`READERS_RUN`] are stuck: a deadlock.
+const READERS_BOUND: Duration = Duration::from_secs(60);
+
 #[test]
 fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
-    const THREADS: usize = 32;
-    const PROCESSES: usize = 32;
-    const RUN: Duration = Duration::from_secs(15);
-    // Readers that have not finished this long after RUN are stuck: a deadlock.
-    const BOUND: Duration = Duration::from_secs(60);
     let work = tempfile::tempdir().unwrap();
     let ds = Dataset::image_folder(&work.path().join("src"), 600, 12, 20_000, 40_000);
     let cache_size = (ds.total_bytes() / 4).to_string();
@@ -716,30 +696,70 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
     let pid = daemon_pid(&m.mnt);
     let rss_before = rss_kb(pid);
 
-    // Half follow the prediction from different offsets, half read a random permutation.
-    let mut children: Vec<Child> = (0..PROCESSES)
+    let mut children = spawn_reader_processes(&m.mnt, &ds.root, &listing);
+    let (reads, errors) = read_from_threads(&ds, &order, &m.mnt, pid, &mut children);
+    let proc_reads = wait_reader_processes(&mut children, pid);
+    assert!(
+        errors.is_empty(),
+        "{} failed reads, e.g. {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    let rss_after = rss_kb(pid);
+    let s = m.stats();
+    eprintln!(
+        "64 readers: {reads} thread reads + {proc_reads} process reads in {READERS_RUN:?}; daemon RSS {rss_before} kB → {rss_after} kB; \
+         hits {} misses {} evictions {} mispredictions {} mode {} errors {}",
+        s["hits"], s["misses"], s["evictions"], s["mispredictions"], s["mode"], s["errors"]
+    );
+    assert!(reads > 0 && proc_reads > 0);
+    assert!(
+        s["evictions"].as_u64().unwrap() > 0,
+        "a cache of a quarter of the data never evicted"
+    );
+    assert_eq!(s["errors"], 0);
+    assert!(rss_after < 200 * 1024, "daemon RSS {rss_after} kB");
+    assert_no_evicted_copy_held(pid, &m.cache);
+}
+
+/// [`READERS_PY`] processes reading `mnt` for [`READERS_RUN`], checked against `source`: half
+/// follow the prediction (`listing`) from different offsets, half read a random permutation.
+fn spawn_reader_processes(mnt: &Path, source: &Path, listing: &Path) -> Vec<Child> {
+    (0..READER_PROCESSES)
         .map(|i| {
             Command::new("python3")
                 .args(["-c", READERS_PY])
-                .arg(&m.mnt)
-                .arg(&ds.root)
-                .arg(&listing)
+                .arg(mnt)
+                .arg(source)
+                .arg(listing)
                 .args([
                     if i % 2 == 0 { "predicted" } else { "random" },
                     &i.to_string(),
-                    &RUN.as_secs().to_string(),
+                    &READERS_RUN.as_secs().to_string(),
                 ])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
                 .expect("python3")
         })
-        .collect();
+        .collect()
+}
+
+/// Reads `mnt` from [`READER_THREADS`] threads for [`READERS_RUN`], half in the predicted
+/// `order` from different offsets, half in a random permutation: how many reads succeeded and
+/// the failures. A thread still reading [`READERS_BOUND`] later is a deadlock: the daemon
+/// `pid` and the reader `children` are killed (so the threads end) and the test fails.
+fn read_from_threads(
+    ds: &Dataset,
+    order: &[String],
+    mnt: &Path,
+    pid: i32,
+    children: &mut [Child],
+) -> (u64, Vec<String>) {
     let (tx, rx) = mpsc::channel();
-    let (reads, errors) = thread::scope(|s| {
-        for i in 0..THREADS {
+    thread::scope(|s| {
+        for i in 0..READER_THREADS {
             let tx = tx.clone();
-            let (ds, order, mnt) = (&ds, &order, &m.mnt);
             s.spawn(move || {
                 let mine = if i % 2 == 0 {
                     order[i * 37 % order.len()..]
@@ -750,7 +770,7 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
                 } else {
                     shuffled(order, i as u64 + 1)
                 };
-                let end = Instant::now() + RUN;
+                let end = Instant::now() + READERS_RUN;
                 let (mut reads, mut errors) = (0u64, Vec::new());
                 for rel in mine.iter().cycle() {
                     if Instant::now() >= end {
@@ -765,11 +785,11 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
             });
         }
         drop(tx);
-        let deadline = Instant::now() + RUN + BOUND;
+        let deadline = Instant::now() + READERS_RUN + READERS_BOUND;
         let mut reads = 0;
         let mut errors = Vec::new();
         let mut finished = 0;
-        while finished < THREADS {
+        while finished < READER_THREADS {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok((r, e)) => {
                     reads += r;
@@ -781,16 +801,22 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
                     signal(pid, libc::SIGKILL);
                     children.iter_mut().for_each(|c| drop(c.kill()));
                     panic!(
-                        "{} of {THREADS} reader threads still running {BOUND:?} after the run: deadlock",
-                        THREADS - finished
+                        "{} of {READER_THREADS} reader threads still running {READERS_BOUND:?} after the run: deadlock",
+                        READER_THREADS - finished
                     );
                 }
             }
         }
         (reads, errors)
-    });
+    })
+}
+
+/// Waits for the reader processes, each of which must succeed; the reads they counted. One
+/// still running [`READERS_BOUND`] from now is a deadlock: the daemon `pid` is killed and the
+/// test fails.
+fn wait_reader_processes(children: &mut [Child], pid: i32) -> u64 {
     let mut proc_reads = 0;
-    let deadline = Instant::now() + BOUND;
+    let deadline = Instant::now() + READERS_BOUND;
     for (i, c) in children.iter_mut().enumerate() {
         let status = loop {
             if let Some(st) = c.try_wait().unwrap() {
@@ -798,7 +824,9 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
             }
             if Instant::now() > deadline {
                 signal(pid, libc::SIGKILL);
-                panic!("reader process {i} still running {BOUND:?} after the run: deadlock");
+                panic!(
+                    "reader process {i} still running {READERS_BOUND:?} after the run: deadlock"
+                );
             }
             thread::sleep(Duration::from_millis(50));
         };
@@ -813,32 +841,16 @@ fn sixty_four_concurrent_readers_small_cache_no_deadlock_no_wrong_byte() {
             .and_then(|n| n.parse::<u64>().ok())
             .unwrap_or(0);
     }
-    assert!(
-        errors.is_empty(),
-        "{} failed reads, e.g. {:?}",
-        errors.len(),
-        &errors[..errors.len().min(5)]
-    );
-    let rss_after = rss_kb(pid);
-    let s = m.stats();
-    eprintln!(
-        "64 readers: {reads} thread reads + {proc_reads} process reads in {RUN:?}; daemon RSS {rss_before} kB → {rss_after} kB; \
-         hits {} misses {} evictions {} mispredictions {} mode {} errors {}",
-        s["hits"], s["misses"], s["evictions"], s["mispredictions"], s["mode"], s["errors"]
-    );
-    assert!(reads > 0 && proc_reads > 0);
-    assert!(
-        s["evictions"].as_u64().unwrap() > 0,
-        "a cache of a quarter of the data never evicted"
-    );
-    assert_eq!(s["errors"], 0);
-    assert!(rss_after < 200 * 1024, "daemon RSS {rss_after} kB");
-    // The daemon keeps hits' copies open between opens; an evicted one kept open would hold
-    // its disk space past the bound.
+    proc_reads
+}
+
+/// The daemon `pid` keeps hits' copies open between opens; an evicted one kept open would
+/// hold its disk space past the cache's bound.
+fn assert_no_evicted_copy_held(pid: i32, cache: &Path) {
     let held: Vec<_> = fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
         .filter_map(|fd| fs::read_link(fd.unwrap().path()).ok())
-        .filter(|t| t.starts_with(&m.cache))
+        .filter(|t| t.starts_with(cache))
         .collect();
     assert!(held.len() > 1, "hits' copies are kept open: {held:?}");
     let deleted: Vec<_> = held
@@ -931,7 +943,7 @@ fn sigterm_during_heavy_reading_unmounts_cleanly_and_leaves_a_consistent_cache()
         let exit = wait_until(
             Duration::from_secs(30),
             "the daemon to exit after SIGTERM",
-            || !alive(pid),
+            || !process_alive(pid),
         );
         stop.store(true, Ordering::SeqCst);
         eprintln!(

@@ -9,7 +9,6 @@
 mod common;
 
 use std::ffi::OsStr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -18,11 +17,6 @@ use common::*;
 
 /// Well under the 30 s `stagefs_within` allows: a hang shows as a slow answer, not a stall.
 const BOUND: Duration = Duration::from_secs(15);
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: sending a signal has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill {pid} {sig}");
-}
 
 /// Runs `stagefs ARGS` under a 30 s deadline; returns its output and how long it took.
 fn timed(args: &[&str]) -> (std::process::Output, Duration) {
@@ -398,13 +392,10 @@ fn stats_of_a_killed_daemon_says_how_to_remove_its_mount() {
     unmount_with_the_command(m, &mnt);
 }
 
-/// Starts `cmd args` as uid/gid 65534 (nobody), or as root if `nobody` is false.
-fn start_as(nobody: bool, cmd: &Path, args: &[&Path]) -> std::process::Child {
-    let mut c = Command::new("setpriv");
-    if nobody {
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
-    }
-    c.arg(cmd)
+/// Starts `cmd args` as uid and gid `uid` (see [`as_user`]).
+fn start_as(uid: u32, cmd: &Path, args: &[&Path]) -> std::process::Child {
+    as_user(uid, &[])
+        .arg(cmd)
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -420,9 +411,7 @@ fn start_as(nobody: bool, cmd: &Path, args: &[&Path]) -> std::process::Child {
 #[test]
 fn a_hung_source_holds_up_no_hit_stat_or_df_for_any_user() {
     use stagefs::slow_remote::{Latency, SlowRemote};
-    use std::os::unix::fs::PermissionsExt;
-    let tmp = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let tmp = open_workdir();
     let backing = tmp.path().join("backing");
     let files = image_folder(&backing, 12, 3, 100, 1000);
     let remote = tmp.path().join("remote");
@@ -444,27 +433,31 @@ fn a_hung_source_holds_up_no_hit_stat_or_df_for_any_user() {
     let (known, unknown) = in_mount.split_at(6);
     let cat = Path::new("cat");
     for f in known {
-        assert!(start_as(true, cat, &[f]).wait().unwrap().success(), "{f:?}");
+        assert!(
+            start_as(NOBODY, cat, &[f]).wait().unwrap().success(),
+            "{f:?}"
+        );
     }
     slow.freeze();
     // Past the remote's attribute and entry TTL (1 s): from now on every SOURCE call waits.
     std::thread::sleep(Duration::from_secs(2));
     let mut runs = Vec::new();
     for i in 0..12 {
-        runs.push(("df", start_as(i % 2 == 0, Path::new("df"), &[&m.mnt])));
+        let uid = if i % 2 == 0 { NOBODY } else { 0 };
+        runs.push(("df", start_as(uid, Path::new("df"), &[&m.mnt])));
     }
     for f in known {
-        runs.push(("root cat", start_as(false, cat, &[f])));
-        runs.push(("nobody cat (known)", start_as(true, cat, &[f])));
+        runs.push(("root cat", start_as(0, cat, &[f])));
+        runs.push(("nobody cat (known)", start_as(NOBODY, cat, &[f])));
     }
     for f in unknown {
-        runs.push(("root cat", start_as(false, cat, &[f])));
-        runs.push(("nobody stat", start_as(true, Path::new("stat"), &[f])));
-        runs.push(("nobody cat (unknown)", start_as(true, cat, &[f])));
+        runs.push(("root cat", start_as(0, cat, &[f])));
+        runs.push(("nobody stat", start_as(NOBODY, Path::new("stat"), &[f])));
+        runs.push(("nobody cat (unknown)", start_as(NOBODY, cat, &[f])));
     }
     runs.push((
         "stagefs stats",
-        start_as(false, &bin(), &[Path::new("stats"), &m.mnt]),
+        start_as(0, &bin(), &[Path::new("stats"), &m.mnt]),
     ));
     let started = Instant::now();
     let mut ended: Vec<_> = runs.iter().map(|_| None).collect();
@@ -489,16 +482,6 @@ fn a_hung_source_holds_up_no_hit_stat_or_df_for_any_user() {
         }
     }
     m.unmount();
-}
-
-/// Runs `cmd args...` as nobody (uid and gid 65534, no other groups).
-fn as_nobody(cmd: &Path, args: &[&OsStr]) -> Command {
-    let mut command = Command::new("setpriv");
-    command
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(cmd)
-        .args(args);
-    command
 }
 
 /// Unmounts (lazily) the mounts a test made, even when it fails.
@@ -538,8 +521,7 @@ fn mount_at(guard: &mut Unmounts, target: &Path, args: &[&str]) {
 /// in, set by the user who owns them: neither is a stagefs mount, and neither is taken.
 #[test]
 fn unmount_refuses_a_mount_that_only_claims_to_be_stagefs() {
-    let tmp = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let tmp = open_workdir();
     let mut guard = Unmounts(Vec::new());
     let tmpfs = tmp.path().join("tmpfs");
     mount_at(
@@ -557,7 +539,7 @@ fn unmount_refuses_a_mount_that_only_claims_to_be_stagefs() {
     for claimed in [&tmpfs, &bind] {
         let set = as_nobody(
             Path::new("setfattr"),
-            &["-n", "user.stagefs.pid", "-v", &pid].map(OsStr::new),
+            ["-n", "user.stagefs.pid", "-v", &pid],
         )
         .arg(claimed)
         .output()
@@ -703,8 +685,7 @@ fn state_of(pid: i32) -> char {
 /// only it, within seconds.
 #[test]
 fn unmount_continues_the_stopped_daemon_and_no_process_that_looks_like_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let tmp = open_workdir();
     let src = tmp.path().join("src");
     image_folder(&src, 6, 2, 10, 100);
     let (first, second) = (tmp.path().join("first"), tmp.path().join("second"));
@@ -719,9 +700,7 @@ fn unmount_continues_the_stopped_daemon_and_no_process_that_looks_like_it() {
     std::fs::create_dir(&decoys).unwrap();
     let fake = decoys.join("stagefs");
     std::fs::copy("/bin/cat", &fake).unwrap();
-    let fifo = std::ffi::CString::new(decoys.join("mount").to_str().unwrap()).unwrap();
-    // SAFETY: a valid C string.
-    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    stagefs::sys::mkfifo(&decoys.join("mount"), 0o644).unwrap();
     let through_other = other.mnt.join("class000/img000000.jpg");
     let spawn = |args: &[&OsStr], env: &[(&str, &Path)]| {
         let mut decoy = as_nobody(&fake, args)

@@ -2,9 +2,10 @@
 //! the import graph runs one way, so each layer can be read, tested and changed knowing only
 //! what is beneath it. The order, bottom to top, with why each sits where it does:
 //!
-//! - `sys`, `files`, `input`, `slow_remote`: leaves (raw Linux calls, whole-file reads and
-//!   atomic writes, user-named text files, the simulated shared file system SOURCE lives on);
-//!   they use nothing of the crate.
+//! - `sys`: the raw Linux calls (a folder, `src/sys/`, by concern), the bottom: it uses
+//!   nothing of the crate, and every layer may use it.
+//! - `files`, `input`, `slow_remote`: leaves (whole-file reads and atomic writes, user-named
+//!   text files, the simulated shared file system SOURCE lives on); they use only `sys`.
 //! - `stats`: counters and the metrics file; uses only `files`.
 //! - `catalog`: SOURCE's files and the dataset's sample → file layout.
 //! - `order`: the samplers (sample indices per epoch), independent of the files.
@@ -165,4 +166,15 @@ fn references_are_found_in_paths_and_groups() {
     let want = [(1, "cache"), (3, "plan"), (4, "stats"), (6, "order")];
     let want: Vec<(usize, String)> = want.iter().map(|&(l, m)| (l, m.to_string())).collect();
     assert_eq!(references(text), want);
+}
+
+#[test]
+fn a_module_folder_counts_as_its_module() {
+    assert_eq!(
+        module_of(Path::new("sys/beneath.rs")).as_deref(),
+        Some("sys")
+    );
+    assert_eq!(module_of(Path::new("sys/mod.rs")).as_deref(), Some("sys"));
+    assert_eq!(module_of(Path::new("sys.rs")).as_deref(), Some("sys"));
+    assert_eq!(module_of(Path::new("lib.rs")), None);
 }

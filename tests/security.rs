@@ -14,31 +14,19 @@ use std::process::{Command, Output};
 
 use common::*;
 
-const NOBODY: &str = "65534";
-
 /// Another user than nobody, for controls: what nobody is refused, this one is not.
-const CONTROL: &str = "1000";
+const CONTROL: u32 = 1000;
 
-/// Runs `cmd args...` as uid/gid 65534 with no supplementary groups.
-fn as_nobody(cmd: &str, args: &[&Path]) -> Output {
-    as_user(NOBODY, &[], cmd, args)
+/// Runs `cmd args...` as nobody (within 20 s), for its output.
+fn run_as_nobody(cmd: &str, args: &[&Path]) -> Output {
+    run_as(NOBODY, &[], cmd, args)
 }
 
-/// Runs `cmd args...` as uid and gid `uid` with exactly the supplementary `groups`.
-fn as_user(uid: &str, groups: &[&str], cmd: &str, args: &[&Path]) -> Output {
-    let groups = match groups {
-        [] => "--clear-groups".to_string(),
-        g => format!("--groups={}", g.join(",")),
-    };
-    Command::new("setpriv")
-        .args([
-            &format!("--reuid={uid}"),
-            &format!("--regid={uid}"),
-            &groups,
-            "timeout",
-            "20",
-            cmd,
-        ])
+/// Runs `cmd args...` as uid and gid `uid` with exactly the supplementary `groups` (within
+/// 20 s), for its output.
+fn run_as(uid: u32, groups: &[u32], cmd: &str, args: &[&Path]) -> Output {
+    as_user(uid, groups)
+        .args(["timeout", "20", cmd])
         .args(args)
         .output()
         .expect("run setpriv (util-linux)")
@@ -50,8 +38,8 @@ fn denied(cmd: &str, path: &Path) {
 }
 
 /// Asserts `cmd path` as `uid` with `groups` fails with "Permission denied".
-fn denied_to(uid: &str, groups: &[&str], cmd: &str, path: &Path) {
-    let out = as_user(uid, groups, cmd, &[path]);
+fn denied_to(uid: u32, groups: &[u32], cmd: &str, path: &Path) {
+    let out = run_as(uid, groups, cmd, &[path]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("Permission denied"),
@@ -60,8 +48,8 @@ fn denied_to(uid: &str, groups: &[&str], cmd: &str, path: &Path) {
 }
 
 /// Asserts `cat path` as `uid` with `groups` prints `want`.
-fn reads(uid: &str, groups: &[&str], path: &Path, want: &[u8]) {
-    let out = as_user(uid, groups, "cat", &[path]);
+fn reads(uid: u32, groups: &[u32], path: &Path, want: &[u8]) {
+    let out = run_as(uid, groups, "cat", &[path]);
     assert_eq!(
         out.stdout, want,
         "cat {path:?} as {uid} (groups {groups:?}): {out:?}"
@@ -76,21 +64,6 @@ fn setfacl(args: &[&str], path: &Path) {
         .output()
         .expect("run setfacl (apt-get install acl)");
     assert!(out.status.success(), "setfacl {args:?} {path:?}: {out:?}");
-}
-
-/// A work directory others may traverse (tempdir makes it 0700), so that what they are
-/// refused is refused by the mount or the cache, not by the path to them.
-fn open_workdir() -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-    let control = tmp.path().join("control.txt");
-    fs::write(&control, b"control").unwrap();
-    let out = as_nobody("cat", &[&control]);
-    assert_eq!(
-        out.stdout, b"control",
-        "nobody cannot reach the work directory: {out:?}"
-    );
-    tmp
 }
 
 /// `c1/pub.jpg` 0644, `c1/secret.jpg` 0600, `c2/` 0700 holding a 0644 file; all root's.
@@ -128,14 +101,14 @@ fn allow_other_enforces_the_source_permission_bits() {
     let tmp = open_workdir();
     let src = dataset(tmp.path());
     let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
-    let out = as_nobody("cat", &[&m.mnt.join("c1/pub.jpg")]);
+    let out = run_as_nobody("cat", &[&m.mnt.join("c1/pub.jpg")]);
     assert_eq!(out.stdout, b"public", "{out:?}");
     denied("cat", &m.mnt.join("c1/secret.jpg"));
     denied("ls", &m.mnt.join("c2"));
     denied("cat", &m.mnt.join("c2/x.jpg"));
     // Nobody writes anything: the superblock is read-only (the kernel says so before it
     // checks permissions).
-    let out = as_nobody("touch", &[&m.mnt.join("c1/new.jpg")]);
+    let out = run_as_nobody("touch", &[&m.mnt.join("c1/new.jpg")]);
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("Read-only file system"),
         "{out:?}"
@@ -205,8 +178,8 @@ fn links_out_of_the_source_are_never_served_or_staged() {
     assert_eq!(fs::read_link(&link).unwrap(), Path::new("/etc/shadow"));
     // Through the mount exactly as directly: the kernel follows the link to the real file,
     // whose own permissions refuse nobody.
-    let direct = as_nobody("cat", &[Path::new("/etc/shadow")]);
-    let via_mount = as_nobody("cat", &[&link]);
+    let direct = run_as_nobody("cat", &[Path::new("/etc/shadow")]);
+    let via_mount = run_as_nobody("cat", &[&link]);
     assert!(!direct.status.success() && !via_mount.status.success());
     assert!(String::from_utf8_lossy(&via_mount.stderr).contains("Permission denied"));
     denied("cat", &m.mnt.join("c1/secret.jpg"));
@@ -267,7 +240,7 @@ fn acls_on_source_are_honoured() {
     // Another user, and root, read all of it; the refusals were nobody's alone.
     reads(CONTROL, &[], &m.mnt.join("c1/acl.jpg"), b"acl");
     reads(CONTROL, &[], &m.mnt.join("c3/x.jpg"), b"behind acl dir");
-    let out = as_user(CONTROL, &[], "ls", &[&m.mnt.join("c3")]);
+    let out = run_as(CONTROL, &[], "ls", &[&m.mnt.join("c3")]);
     assert_eq!(out.stdout, b"x.jpg\n", "{out:?}");
     // The kernel knows c3/x.jpg now; its name and attributes stay refused as on SOURCE.
     denied("stat", &src.join("c3/x.jpg"));
@@ -288,8 +261,8 @@ fn acls_on_source_are_honoured() {
 /// kernel's own check sees the groups), and guards that the new check is given them.
 #[test]
 fn supplementary_groups_are_honoured() {
-    const G: &str = "4242";
-    const H: &str = "4243";
+    const G: u32 = 4242;
+    const H: u32 = 4243;
     let tmp = open_workdir();
     let src = tmp.path().join("src");
     write_tree(
@@ -300,20 +273,15 @@ fn supplementary_groups_are_honoured() {
         ],
     );
     let group_file = src.join("c1/group.jpg");
-    std::os::unix::fs::chown(&group_file, None, Some(G.parse().unwrap())).unwrap();
+    std::os::unix::fs::chown(&group_file, None, Some(G)).unwrap();
     fs::set_permissions(&group_file, fs::Permissions::from_mode(0o640)).unwrap();
     setfacl(&["-m", &format!("g:{H}:-")], &src.join("c1/not_h.jpg"));
 
     let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
     reads(CONTROL, &[G], &m.mnt.join("c1/group.jpg"), b"for G");
-    reads(
-        CONTROL,
-        &["7", G, "8"],
-        &m.mnt.join("c1/group.jpg"),
-        b"for G",
-    );
+    reads(CONTROL, &[7, G, 8], &m.mnt.join("c1/group.jpg"), b"for G");
     denied_to(CONTROL, &[], "cat", &m.mnt.join("c1/group.jpg"));
-    denied_to(CONTROL, &["7"], "cat", &m.mnt.join("c1/group.jpg"));
+    denied_to(CONTROL, &[7], "cat", &m.mnt.join("c1/group.jpg"));
 
     reads(CONTROL, &[], &m.mnt.join("c1/not_h.jpg"), b"not for H");
     denied_to(CONTROL, &[H], "cat", &m.mnt.join("c1/not_h.jpg"));
@@ -390,7 +358,7 @@ fn state_counts_only_what_the_caller_may_list() {
     let src = dataset(tmp.path());
     let m = TestMount::new(&src, tmp.path(), &["--allow-other"]);
     let state_as_nobody = |path: &Path| {
-        as_nobody(
+        run_as_nobody(
             "getfattr",
             &[
                 Path::new("--only-values"),
@@ -439,10 +407,10 @@ fn feed_env_takes_no_hook_directory_another_user_could_have_filled() {
         assert!(out.status.success(), "{out:?}");
         text(&out.stdout)
     };
-    let copy_hook = |user: &str, to: &Path| {
-        let out = as_user(user, &[], "mkdir", &[Path::new("-p"), to]);
+    let copy_hook = |user: u32, to: &Path| {
+        let out = run_as(user, &[], "mkdir", &[Path::new("-p"), to]);
         assert!(out.status.success(), "{out:?}");
-        let out = as_user(user, &[], "cp", &[Path::new("-r"), &checkout.join("."), to]);
+        let out = run_as(user, &[], "cp", &[Path::new("-r"), &checkout.join("."), to]);
         assert!(out.status.success(), "{out:?}");
     };
 
@@ -452,7 +420,7 @@ fn feed_env_takes_no_hook_directory_another_user_could_have_filled() {
     let planted = install(&shared);
     copy_hook(NOBODY, &planted);
     let json = planted.join("json.py");
-    let out = as_nobody(
+    let out = run_as_nobody(
         "sh",
         &[
             Path::new("-c"),
@@ -468,7 +436,7 @@ fn feed_env_takes_no_hook_directory_another_user_could_have_filled() {
 
     let installed = tmp.path().join("prefix");
     let hook = install(&installed);
-    copy_hook("0", &hook);
+    copy_hook(0, &hook);
     let env = feed_env(&installed);
     assert!(env.contains(hook.to_str().unwrap()), "{env}");
 }

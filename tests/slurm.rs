@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{alive, bin, e2e_dir, image_folder, is_mounted, require_fuse, stagefs_order, text};
+use common::{
+    bin, e2e_dir, image_folder, is_mounted, process_alive, require_fuse, stagefs_order, text,
+};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -113,6 +115,7 @@ impl Cluster {
         self.node_states().iter().all(|s| s == "IDLE")
     }
 
+    /// Polls every 200 ms (each poll runs Slurm's commands) until `cond` holds.
     fn wait_for(&self, what: &str, mut cond: impl FnMut() -> bool) {
         let start = Instant::now();
         while !cond() {
@@ -420,7 +423,7 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
             .parse()
             .unwrap();
         assert!(
-            !alive(pid),
+            !process_alive(pid),
             "job {id} node {node}: daemon {pid} outlived the epilog"
         );
         let states = fs::read_dir(cluster.node_dir(node).join("prolog-state"))

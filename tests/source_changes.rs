@@ -141,9 +141,7 @@ fn a_fifo_or_a_link_back_into_the_mount_never_holds_a_thread() {
         let m = TestMount::new(&src, work.path(), extra);
         let fifo = src.join("c0/f0.jpg");
         fs::remove_file(&fifo).unwrap();
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a valid path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        stagefs::sys::mkfifo(&fifo, 0o644).unwrap();
         let into_mount = src.join("c0/f2.jpg");
         fs::remove_file(&into_mount).unwrap();
         symlink(m.mnt.join("c0/f2.jpg"), &into_mount).unwrap();
@@ -239,9 +237,7 @@ fn a_remount_sees_source_as_it_is_now() {
 fn special_files_named_like_samples_keep_their_index() {
     let tmp = tempfile::tempdir().unwrap();
     let src = dataset(tmp.path());
-    let fifo = std::ffi::CString::new(src.join("c0/f1b.jpg").to_str().unwrap()).unwrap();
-    // SAFETY: a valid path.
-    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    stagefs::sys::mkfifo(&src.join("c0/f1b.jpg"), 0o644).unwrap();
     let _socket = std::os::unix::net::UnixListener::bind(src.join("c1/f0b.jpg")).unwrap();
 
     let out = stagefs(&[

@@ -16,7 +16,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use serde_json::Value;
@@ -100,24 +100,12 @@ fn setfattr(path: &Path, name: &str, value: Option<&str>) -> Result<(), String> 
     }
 }
 
-/// Polls `probe` until it yields a value or `limit` passes (then panics with `what`).
-fn wait_for<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = probe() {
-            return v;
-        }
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Waits until the stager has copied the whole dataset (it runs ahead on its own).
 fn wait_fully_staged(m: &TestMount) {
-    wait_for(
-        "the whole dataset to be staged",
+    wait_until(
         Duration::from_secs(30),
-        || (m.stat("cached_files") == FILES as u64).then_some(()),
+        "the whole dataset to be staged",
+        || m.stat("cached_files") == FILES as u64,
     );
 }
 
@@ -761,9 +749,9 @@ fn metrics_file_is_strict_prometheus_and_agrees_with_stats() {
     assert_eq!(stats["hits"], 10);
 
     // The file is rewritten every few seconds: wait until it shows the reads.
-    let samples = wait_for(
-        "the metrics file to show the reads",
+    let samples = wait_value(
         Duration::from_secs(20),
+        "the metrics file to show the reads",
         || {
             let text = std::fs::read_to_string(&prom).ok()?;
             let samples = parse_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));

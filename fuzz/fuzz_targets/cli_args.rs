@@ -8,12 +8,13 @@ use clap::Parser;
 use libfuzzer_sys::fuzz_target;
 use stagefs::cli::{Cli, Command, SamplerArgs};
 use stagefs::daemon::MountConfig;
+use stagefs::order::SamplerKind;
 
-/// What `mount` and `order` do with the sampler options before touching any file.
+/// What `order` does with the sampler options before touching any file.
 fn check_sampler(sampler: &mut SamplerArgs) {
     // Never read files named by fuzz input (a device could block or never end).
     sampler.order_file = None;
-    match sampler.config() {
+    match sampler.config(SamplerKind::TorchDistributed, &[]) {
         Ok((cfg, ranks)) => {
             if let Err(e) = cfg.validate(1000, &ranks) {
                 assert!(!e.to_string().contains('\n'));
@@ -33,8 +34,8 @@ fuzz_target!(|data: &[u8]| {
     };
     match cli.command {
         Command::Mount(mut args) => {
-            check_sampler(&mut args.sampler);
-            // The typed mount settings the daemon gets, sizes and lookahead included.
+            args.sampler.order_file = None;
+            // The typed mount settings the daemon gets: sampler, sizes and lookahead.
             if let Err(e) = MountConfig::try_from(&*args) {
                 assert!(!e.to_string().contains('\n'), "{e}");
             }

@@ -29,11 +29,13 @@ struct Input {
     order_list: Vec<u16>,
 }
 
-/// Every sampler with an order of its own (`feed` has none: the job announces it).
-const KINDS: [SamplerKind; 7] = [
+/// Every sampler with an order of its own or none at all (`feed`'s is announced by the job;
+/// `auto` finds one of these).
+const KINDS: [SamplerKind; 8] = [
     SamplerKind::TorchDistributed,
     SamplerKind::TorchRandom,
     SamplerKind::NumpyLegacy,
+    SamplerKind::NumpyInplace,
     SamplerKind::NumpyGenerator,
     SamplerKind::Sequential,
     SamplerKind::List,
@@ -61,13 +63,14 @@ fn invalid(cfg: &SamplerConfig, len: u64, ranks: &[u32]) -> bool {
             SamplerKind::TorchRandom => {
                 cfg.torch_version < v(1, 11) || !(-(1 << 63)..1 << 64).contains(&s)
             }
-            SamplerKind::NumpyLegacy => !(0..1 << 32).contains(&s),
+            SamplerKind::NumpyLegacy | SamplerKind::NumpyInplace => !(0..1 << 32).contains(&s),
             SamplerKind::NumpyGenerator => !(0..1 << 64).contains(&s),
             SamplerKind::List => cfg
                 .order_list
                 .as_ref()
                 .is_none_or(|l| l.is_empty() || l.iter().any(|&i| u64::from(i) >= len)),
             SamplerKind::Sequential | SamplerKind::Feed | SamplerKind::None => false,
+            SamplerKind::Auto => unreachable!("auto is not among the fuzzed samplers"),
         }
 }
 
@@ -193,7 +196,10 @@ fuzz_target!(|input: Input| {
                 assert!(order.iter().all(|&i| u64::from(i) < len));
             }
         }
-        SamplerKind::TorchRandom | SamplerKind::NumpyLegacy | SamplerKind::NumpyGenerator => {
+        SamplerKind::TorchRandom
+        | SamplerKind::NumpyLegacy
+        | SamplerKind::NumpyInplace
+        | SamplerKind::NumpyGenerator => {
             assert!(
                 is_permutation(&order, len),
                 "{kind} order is not a permutation"
@@ -202,6 +208,7 @@ fuzz_target!(|input: Input| {
         SamplerKind::Sequential => assert!(order.iter().copied().eq(0..len as u32)),
         SamplerKind::List => assert_eq!(Some(&order), cfg.order_list.as_deref()),
         SamplerKind::Feed | SamplerKind::None => assert!(order.is_empty()),
+        SamplerKind::Auto => unreachable!("auto is not among the fuzzed samplers"),
     }
 
     // The node serving several ranks: an error exactly when the rank list is invalid.

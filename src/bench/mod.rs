@@ -14,31 +14,35 @@
 //! cache, the copy, the list file) lives in one new directory under the cache directory
 //! ([`work`]) and goes with it, on success, on error and when interrupted; SOURCE is only
 //! read, as a mount reads it ([`opener`]). Every wait (the scan, a read, the copy, the
-//! compute) gives way to Ctrl-C within [`reader::CANCEL_POLL`].
+//! compute) gives way to Ctrl-C within [`reader::CANCEL_POLL`]. Each epoch starts from
+//! storage, not memory ([`cold`]); the copy-first copy is [`copy`]; the bars, [`progress`].
 
 pub mod chart;
+mod cold;
+mod copy;
 mod opener;
+mod progress;
 pub mod reader;
 pub mod report;
 pub mod subset;
 mod work;
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cache::filesystem_space;
 use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError};
 use crate::daemon::{self, MountConfig, MountError, RunningMount};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
+use cold::{ColdCache, in_memory};
 use opener::Opener;
+use progress::{FILES_BAR, SPINNER, SPINNER_TICK, progress_bar};
 use reader::{CANCEL_POLL, EpochRead, Loader, ReadError};
 use report::{Epoch, MethodRun, Report, SubsetSummary};
 use subset::{Subset, SubsetError, SubsetSize};
@@ -145,9 +149,6 @@ pub enum BenchError {
     #[error("interrupted (the mount and the benchmark's files are removed)")]
     Interrupted,
 }
-
-/// How often the scan's spinner turns: often enough to look alive, cheap on a busy node.
-const SPINNER_TICK: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Share of the cache file system's size left free when deciding whether the copy fits:
 /// room for everything else the node writes there, as a mount's default cache size leaves.
@@ -259,8 +260,7 @@ fn scan(source: &Path, config: &BenchConfig) -> Result<Catalog, BenchError> {
     let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
     scanning.enable_steady_tick(SPINNER_TICK);
     let root = source.to_path_buf();
-    let scan =
-        std::thread::spawn(move || Catalog::scan(&root, MountConfig::default().scan_threads));
+    let scan = std::thread::spawn(move || Catalog::scan(&root, daemon::defaults::SCAN_THREADS));
     let finished = wait_unless_cancelled(&scan, &config.cancel);
     scanning.finish_and_clear();
     if !finished {
@@ -415,46 +415,6 @@ impl Bench<'_> {
         })
     }
 
-    /// Copies the subset from SOURCE to the new directory `to`, as many files at once as a
-    /// mount stages. On Ctrl-C the copiers stop between chunks; one stuck in a read is left
-    /// behind and creates nothing more.
-    fn copy_subset(&self, to: &Path) -> Result<(), BenchError> {
-        fs::create_dir(to).map_err(|source| BenchError::Io {
-            path: to.to_path_buf(),
-            source,
-        })?;
-        let bar = progress_bar(
-            self.config.progress,
-            Some(self.subset.bytes),
-            "copy-first copy",
-            BYTES_BAR,
-        );
-        let copier = Arc::new(Copier {
-            from: self.source_files.clone(),
-            source: self.source.clone(),
-            to: to.to_path_buf(),
-            paths: self.paths.clone(),
-            next: AtomicUsize::new(0),
-            cancel: self.config.cancel.clone(),
-            bar: bar.clone(),
-        });
-        let threads = MountConfig::default().stage_threads.min(self.paths.len());
-        let copiers: Vec<_> = (0..threads)
-            .map(|_| {
-                let copier = copier.clone();
-                std::thread::spawn(move || copier.run())
-            })
-            .collect();
-        for thread in copiers {
-            if !wait_unless_cancelled(&thread, &self.config.cancel) {
-                return Err(BenchError::Interrupted);
-            }
-            thread.join().expect("a copier does not panic")?;
-        }
-        bar.finish_and_clear();
-        Ok(())
-    }
-
     /// Reads every epoch of `method` through `files` (its paths shown under `root`), the
     /// page cache dropped before each (for a mount, from epoch 1 on: before epoch 0 it was
     /// dropped before mounting); with `mount`, the hits and misses it counted during each.
@@ -530,64 +490,6 @@ impl Bench<'_> {
     }
 }
 
-/// What the copy-first copiers share: each takes the next file until none is left.
-struct Copier {
-    /// SOURCE's files, opened as a mount opens them; shown under `source`.
-    from: Arc<Opener>,
-    source: PathBuf,
-    to: PathBuf,
-    paths: Arc<[PathBuf]>,
-    next: AtomicUsize,
-    cancel: Arc<AtomicBool>,
-    bar: ProgressBar,
-}
-
-/// How much a copier moves between looks at the cancel flag.
-const COPY_CHUNK: usize = 1 << 20;
-
-impl Copier {
-    fn run(&self) -> Result<(), BenchError> {
-        let mut buf = vec![0u8; COPY_CHUNK];
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(relative) = self.paths.get(i) else {
-                return Ok(());
-            };
-            let from = self.source.join(relative);
-            let io = |path: &Path| {
-                let path = path.to_path_buf();
-                move |source| BenchError::Io { path, source }
-            };
-            self.stop_if_cancelled()?;
-            let mut file = self.from.open(i, relative).map_err(io(&from))?;
-            // Checked again after a SOURCE open that may have waited: nothing is created once
-            // the run is being cleaned up.
-            self.stop_if_cancelled()?;
-            let target = self.to.join(relative);
-            if let Some(dir) = target.parent() {
-                fs::create_dir_all(dir).map_err(io(dir))?;
-            }
-            let mut copy = create_new(&target).map_err(io(&target))?;
-            loop {
-                let n = file.read(&mut buf).map_err(io(&from))?;
-                if n == 0 {
-                    break;
-                }
-                copy.write_all(&buf[..n]).map_err(io(&target))?;
-                self.bar.inc(n as u64);
-                self.stop_if_cancelled()?;
-            }
-        }
-    }
-
-    fn stop_if_cancelled(&self) -> Result<(), BenchError> {
-        match self.cancel.load(Ordering::Relaxed) {
-            true => Err(BenchError::Interrupted),
-            false => Ok(()),
-        }
-    }
-}
-
 /// Creates the file `path` for writing, private; never one already there (nor a link).
 fn create_new(path: &Path) -> io::Result<File> {
     OpenOptions::new()
@@ -595,30 +497,6 @@ fn create_new(path: &Path) -> io::Result<File> {
         .create_new(true)
         .mode(0o600)
         .open(path)
-}
-
-/// The bars' middle parts: counting files, counting bytes, or a spinner (no length).
-const FILES_BAR: &str = "[{bar:24}] {pos}/{len} files";
-const BYTES_BAR: &str = "[{bar:24}] {bytes}/{total_bytes}";
-const SPINNER: &str = "{spinner}";
-
-/// A bar of `len` steps (`None`: a spinner) on stderr, or a hidden one when `shown` is false.
-fn progress_bar(shown: bool, len: Option<u64>, label: &str, middle: &str) -> ProgressBar {
-    if !shown {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::hidden());
-    bar.set_style(style(middle));
-    bar.set_prefix(label.to_string());
-    bar.set_draw_target(ProgressDrawTarget::stderr());
-    bar
-}
-
-/// The bars' look: the label, `middle` (the bar and counts, or a spinner) and the time taken.
-fn style(middle: &str) -> ProgressStyle {
-    ProgressStyle::with_template(&format!("{{prefix:>18}} {middle} {{elapsed_precise}}"))
-        .expect("valid template")
-        .progress_chars("=> ")
 }
 
 /// The in-process mount, unmounted when dropped (also on error and interruption).
@@ -648,180 +526,4 @@ fn remove_dir(path: &Path) -> Result<(), BenchError> {
         path: path.to_path_buf(),
         source,
     })
-}
-
-/// Makes each epoch start from storage, not memory. As root the kernel's page cache is
-/// dropped whole. Otherwise each file the benchmark reads is told to leave it
-/// (`posix_fadvise(DONTNEED)`): the subset's files in SOURCE and every file under the
-/// directories it wrote (the mount's cache, the copy), never through the mountpoint, where an
-/// open would count as the job's. That frees their data, not the kernel's directory and inode
-/// caches, so the note says so.
-struct ColdCache<'a> {
-    enabled: bool,
-    /// Where the benchmark writes: dirty pages are written out before dropping.
-    work: &'a WorkDir,
-    /// SOURCE's files, opened as a mount opens them, and the subset's paths in it.
-    source: Arc<Opener>,
-    paths: Arc<[PathBuf]>,
-    /// Directories the benchmark writes files into, evicted whole (absent ones are skipped).
-    written: Vec<PathBuf>,
-    /// What kept an epoch from starting cold, said once in the report.
-    problem: OnceLock<String>,
-}
-
-/// Where the kernel takes "drop clean caches" requests; 3 = page cache, dentries and inodes.
-const DROP_CACHES: &str = "/proc/sys/vm/drop_caches";
-
-impl ColdCache<'_> {
-    fn drop_page_cache(&self) {
-        if !self.enabled {
-            return;
-        }
-        // SAFETY: no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            // Dirty pages are not dropped: write out the benchmark's first.
-            if let Err(e) = self.work.sync() {
-                log::debug!("syncing {}: {e}", self.work.path().display());
-            }
-            match fs::write(DROP_CACHES, "3") {
-                Ok(()) => return,
-                Err(e) => {
-                    let _ = self.problem.set(format!(
-                        "{DROP_CACHES}: {e}: the page cache was dropped file by file instead, which leaves directories and inodes cached"
-                    ));
-                }
-            }
-        } else {
-            let _ = self.problem.set(
-                "not root: the page cache was dropped file by file (posix_fadvise), which leaves directories and inodes cached, so opens may be faster than a cold job's"
-                    .into(),
-            );
-        }
-        let mut missed = 0u64;
-        for (i, relative) in self.paths.iter().enumerate() {
-            let file = self.source.open(i, relative);
-            missed += u64::from(file.and_then(|f| evict(&f)).is_err());
-        }
-        for dir in &self.written {
-            missed += evict_tree(dir);
-        }
-        if missed > 0 {
-            log::debug!("{missed} files could not be evicted from the page cache");
-        }
-    }
-
-    fn note(&self) -> Option<String> {
-        self.problem.get().cloned()
-    }
-}
-
-/// Asks the kernel to drop `file`'s clean cached pages (dirty ones stay).
-fn evict(file: &fs::File) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a valid descriptor; offset 0 and length 0 mean the whole file.
-    match unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) } {
-        0 => Ok(()),
-        errno => Err(io::Error::from_raw_os_error(errno)),
-    }
-}
-
-/// [`evict`] for every regular file under `dir`, written out first (the benchmark wrote
-/// them, maybe just now); how many could not be.
-fn evict_tree(dir: &Path) -> u64 {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut missed = 0;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        match entry.file_type() {
-            Ok(t) if t.is_dir() => missed += evict_tree(&path),
-            Ok(t) if t.is_file() => {
-                let file = crate::files::open_nofollow(&path);
-                let evicted = file.and_then(|f| f.sync_data().and_then(|()| evict(&f)));
-                missed += u64::from(evicted.is_err());
-            }
-            _ => {}
-        }
-    }
-    missed
-}
-
-/// Whether `path` is on a file system kept in memory (tmpfs, ramfs), as /tmp often is.
-fn in_memory(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs is plain data, for which all zeroes is a valid value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid C string and out pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return false;
-    }
-    [libc::TMPFS_MAGIC, RAMFS_MAGIC].contains(&st.f_type)
-}
-
-/// ramfs's statfs type (linux/magic.h), which the libc crate does not name.
-const RAMFS_MAGIC: libc::__fsword_t = 0x858458f6u32 as libc::__fsword_t;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Pages of `path` in the page cache, by mincore over a mapping of it.
-    fn resident_pages(path: &Path) -> usize {
-        use std::os::fd::AsRawFd;
-        let file = fs::File::open(path).unwrap();
-        let len = file.metadata().unwrap().len() as usize;
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let mut pages = vec![0u8; len.div_ceil(page)];
-        // SAFETY: a read-only shared mapping of a file this test owns, unmapped below.
-        unsafe {
-            let map = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            );
-            assert_ne!(map, libc::MAP_FAILED);
-            assert_eq!(libc::mincore(map, len, pages.as_mut_ptr()), 0);
-            libc::munmap(map, len);
-        }
-        pages.iter().filter(|p| **p & 1 == 1).count()
-    }
-
-    #[test]
-    fn evicted_files_leave_the_page_cache_and_directories_are_walked() {
-        // Not on tmpfs, whose pages are the files themselves.
-        let tmp = std::env::temp_dir();
-        let parent = if in_memory(&tmp) {
-            "/var/tmp".into()
-        } else {
-            tmp
-        };
-        assert!(!in_memory(&parent), "{}", parent.display());
-        let dir = tempfile::tempdir_in(parent).unwrap();
-        let nested = dir.path().join("a/b");
-        fs::create_dir_all(&nested).unwrap();
-        let files = [dir.path().join("top"), nested.join("deep")];
-        for f in &files {
-            fs::write(f, vec![7u8; 1 << 20]).unwrap();
-            fs::read(f).unwrap();
-        }
-        // Written just now, so dirty: evict_tree writes them out before evicting.
-        assert_eq!(evict_tree(dir.path()), 0);
-        for f in &files {
-            assert_eq!(resident_pages(f), 0, "{}", f.display());
-        }
-        assert_eq!(evict_tree(&dir.path().join("absent")), 0);
-    }
-
-    #[test]
-    fn tmpfs_is_memory() {
-        assert!(in_memory(Path::new("/dev/shm")));
-        assert!(!in_memory(Path::new("/proc/self")));
-    }
 }

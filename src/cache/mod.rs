@@ -38,7 +38,6 @@ use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -174,8 +173,7 @@ impl CacheDir {
             .map_err(io_err(&lock_path))?;
         // A daemon that was just unmounted may still be exiting: give it a moment.
         let deadline = std::time::Instant::now() + LOCK_WAIT;
-        // SAFETY: flock on a valid fd we own.
-        while unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        while lock.try_lock().is_err() {
             if std::time::Instant::now() >= deadline {
                 return Err(CacheError::Locked(root.to_path_buf()));
             }
@@ -326,14 +324,7 @@ impl CacheDir {
 /// Bytes the file system holding `path` can still take (for an unprivileged user), and its
 /// total size.
 pub fn filesystem_space(path: &Path) -> io::Result<(u64, u64)> {
-    let c =
-        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
-    // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid C string and out pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let st = crate::sys::statvfs(path)?;
     Ok((
         st.f_bavail as u64 * st.f_frsize as u64,
         st.f_blocks as u64 * st.f_frsize as u64,

@@ -5,7 +5,6 @@
 use std::fs::{self, Metadata};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -160,11 +159,7 @@ pub fn remove_if_made_here(root: &Path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(_) => return,
     };
-    let taken = |lock: &std::fs::File| {
-        // SAFETY: flock on a valid fd we own.
-        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
-    };
-    if lock.as_ref().is_some_and(|l| !taken(l)) {
+    if lock.as_ref().is_some_and(|l| l.try_lock().is_err()) {
         return;
     }
     // Links inside are removed, never followed.

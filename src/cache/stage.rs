@@ -5,8 +5,8 @@
 use std::ffi::CStr;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
+use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +16,7 @@ use xxhash_rust::xxh3::Xxh3;
 use super::{CacheDir, CacheError, CopyError, OpenCopy, io_err};
 use crate::catalog::{Catalog, Entry, FileId};
 use crate::files::open_nofollow;
+use crate::sys;
 
 /// Copy buffer: large enough that a parallel file system sees big sequential reads, small
 /// enough that 16–64 concurrent copies stay well under 100 MB of memory.
@@ -146,17 +147,7 @@ impl CacheDir {
             tv_sec: entry.mtime_secs,
             tv_nsec: entry.mtime_nanos as i64,
         };
-        let times = [
-            libc::timespec {
-                tv_sec: 0,
-                tv_nsec: libc::UTIME_OMIT,
-            },
-            mtime,
-        ];
-        // SAFETY: valid fd and a two-element timespec array as futimens requires.
-        if unsafe { libc::futimens(out.as_raw_fd(), times.as_ptr()) } != 0 {
-            return Err(cache_err(io::Error::last_os_error()));
-        }
+        sys::set_mtime(out.as_fd(), mtime).map_err(cache_err)?;
         Ok(copied)
     }
 
@@ -166,20 +157,9 @@ impl CacheDir {
         let mut value = [0u8; SUM_LEN];
         value[0] = SUM_FORMAT;
         value[1..].copy_from_slice(&sum.to_le_bytes());
-        // SAFETY: valid fd, NUL-terminated name, and a value buffer of the length given.
-        let rc = unsafe {
-            libc::fsetxattr(
-                out.as_raw_fd(),
-                SUM_XATTR.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        };
-        if rc == 0 {
+        let Err(e) = sys::fsetxattr(out.as_fd(), SUM_XATTR, &value) else {
             return Ok(());
-        }
-        let e = io::Error::last_os_error();
+        };
         if e.raw_os_error() != Some(libc::ENOTSUP) {
             return Err(cache_err(e));
         }
@@ -195,16 +175,8 @@ impl CacheDir {
 /// The checksum recorded on a cached file, if it has one in a format this version knows.
 fn read_checksum(file: &File) -> Option<u128> {
     let mut value = [0u8; SUM_LEN];
-    // SAFETY: valid fd, NUL-terminated name, and a buffer of the length given.
-    let n = unsafe {
-        libc::fgetxattr(
-            file.as_raw_fd(),
-            SUM_XATTR.as_ptr(),
-            value.as_mut_ptr().cast(),
-            value.len(),
-        )
-    };
-    if n != SUM_LEN as isize || value[0] != SUM_FORMAT {
+    let n = sys::fgetxattr(file.as_fd(), SUM_XATTR, &mut value);
+    if n.ok() != Some(SUM_LEN) || value[0] != SUM_FORMAT {
         return None;
     }
     Some(u128::from_le_bytes(value[1..].try_into().ok()?))

@@ -303,10 +303,7 @@ fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     // No checksum at all (planted, or staged where attributes are not supported).
     stage(&cache, &catalog, id);
     cache.open_verified(&catalog, id).unwrap();
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: valid C strings.
-    let removed = unsafe { libc::removexattr(c.as_ptr(), SUM_XATTR.as_ptr()) };
-    assert_eq!(removed, 0);
+    crate::sys::removexattr(&path, SUM_XATTR).unwrap();
     let e = cache.open_verified(&catalog, id).unwrap_err();
     assert!(matches!(e, CacheError::NoChecksum(_)), "{e}");
 

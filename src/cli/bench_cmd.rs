@@ -20,6 +20,7 @@ use crate::catalog::LayoutKind;
 use crate::daemon;
 use crate::files::write_atomically;
 use crate::order::SamplerKind;
+use crate::sys;
 
 #[derive(Args, Debug)]
 #[command(after_help = SAMPLER_HELP)]
@@ -168,12 +169,10 @@ fn chart_path(json: &Path) -> anyhow::Result<PathBuf> {
 /// waiter here takes the signals.
 pub(super) fn cancel_on_signal() -> Arc<AtomicBool> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let signals = daemon::block_termination_signals();
+    let signals = sys::TerminationSignals::block();
     let flag = cancel.clone();
     std::thread::spawn(move || {
-        let mut signal = 0;
-        // SAFETY: a valid signal set and out pointer.
-        while unsafe { libc::sigwait(&signals, &mut signal) } == 0 {
+        while let Some(signal) = signals.wait() {
             if flag.swap(true, Ordering::Relaxed) {
                 eprintln!(
                     "stagefs: signal {signal}: already stopping, removing the mounts and files"

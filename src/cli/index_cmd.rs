@@ -16,7 +16,7 @@ pub struct IndexArgs {
     #[arg(short, long, default_value = "stagefs.index", value_name = "FILE")]
     pub output: PathBuf,
     /// Concurrent directory scans (metadata calls to a parallel file system are slow)
-    #[arg(long, default_value_t = 16, value_name = "N", value_parser = super::mount::at_least_one())]
+    #[arg(long, default_value_t = crate::daemon::defaults::SCAN_THREADS, value_name = "N", value_parser = super::mount::at_least_one())]
     pub scan_threads: usize,
 }
 

@@ -189,7 +189,7 @@ impl SamplerArgs {
 #[command(next_help_heading = "Dataset layout (index → file)")]
 pub struct LayoutArgs {
     /// imagefolder (torchvision ImageFolder), tree (all files sorted by path), list (--list-file)
-    #[arg(long, value_enum, default_value_t = LayoutKind::ImageFolder, value_name = "KIND")]
+    #[arg(long, value_enum, default_value_t = crate::daemon::defaults::LAYOUT, value_name = "KIND")]
     pub layout: LayoutKind,
     /// imagefolder: file extensions that count as samples (comma separated, case-insensitive)
     #[arg(long, value_delimiter = ',', value_name = "EXT,...")]
@@ -281,8 +281,8 @@ pub fn run() -> i32 {
         // Rust ignores SIGPIPE, which makes a print to a closed pipe panic. A command whose
         // reader went away (`stagefs stats --watch | head -1`) should just end, as `cat`
         // does. Not for the commands that hold a mount: they must live to unmount it.
-        // SAFETY: restoring a default disposition, before any other thread exists.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        // Before any other thread exists.
+        crate::sys::restore_default_sigpipe();
     }
     let result = match cli.command {
         Command::Mount(args) => mount::run(&args),

@@ -11,7 +11,7 @@ use clap::Args;
 
 use super::size::{LookaheadError, SizeError, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
-use crate::daemon::{self, Capacity, MountConfig};
+use crate::daemon::{self, Capacity, MountConfig, defaults};
 use crate::order::{OrderError, SamplerKind};
 use crate::stager::EvictionKind;
 
@@ -43,29 +43,29 @@ pub struct MountArgs {
     pub layout: LayoutArgs,
 
     /// Concurrent copies from SOURCE (a parallel file system serves many at once)
-    #[arg(long, default_value_t = 16, value_name = "N", help_heading = "Staging", value_parser = at_least_one())]
+    #[arg(long, default_value_t = defaults::STAGE_THREADS, value_name = "N", help_heading = "Staging", value_parser = at_least_one())]
     pub stage_threads: usize,
     /// How far ahead of the reader to stage: a file count (5000) or a size (20G) [default: as far as the cache allows]
     #[arg(long, value_name = "N|SIZE", help_heading = "Staging")]
     pub lookahead: Option<String>,
     /// Which cached copy goes when a new one needs room: belady (the one needed furthest ahead, from the prediction) or lru (the least recently used: a plain cache, to compare against)
-    #[arg(long, value_enum, default_value_t = EvictionKind::Belady, value_name = "POLICY", help_heading = "Staging")]
+    #[arg(long, value_enum, default_value_t = defaults::EVICTION, value_name = "POLICY", help_heading = "Staging")]
     pub eviction: EvictionKind,
     /// Files at least this large are read through from SOURCE while they are copied, instead of waited for
     #[arg(
         long,
-        default_value = "64M",
+        default_value_t = format!("{}M", defaults::READ_THROUGH_ABOVE >> 20),
         value_name = "SIZE",
         help_heading = "Staging"
     )]
     pub read_through_above: String,
     /// Retries of a failed source read before the reader gets EIO
-    #[arg(long, default_value_t = 3, value_name = "N", help_heading = "Staging")]
+    #[arg(long, default_value_t = defaults::RETRIES, value_name = "N", help_heading = "Staging")]
     pub retries: u32,
     /// Longest a reader waits for a copy before it gets EIO, in seconds
     #[arg(
         long,
-        default_value_t = 60,
+        default_value_t = defaults::OPEN_TIMEOUT.as_secs(),
         value_name = "SECS",
         help_heading = "Staging"
     )]
@@ -73,7 +73,7 @@ pub struct MountArgs {
     /// How far from the reader (in samples) an open is still matched to the prediction; it counts as predicted within min(N, epoch/4), so allow about 2 × workers × prefetch × batch × local ranks
     #[arg(
         long,
-        default_value_t = 65_536,
+        default_value_t = defaults::WINDOW,
         value_name = "N",
         help_heading = "Staging",
         value_parser = clap::value_parser!(u64).range(1..)
@@ -90,10 +90,10 @@ pub struct MountArgs {
     #[arg(long, value_name = "USER", help_heading = "Mount")]
     pub job_user: Option<String>,
     /// Threads answering FUSE requests (parallel DataLoader workers need several)
-    #[arg(long, default_value_t = 8, value_name = "N", help_heading = "Mount", value_parser = at_least_one())]
+    #[arg(long, default_value_t = defaults::FUSE_THREADS, value_name = "N", help_heading = "Mount", value_parser = at_least_one())]
     pub fuse_threads: usize,
     /// Concurrent directory scans at mount time (metadata calls to a parallel file system are slow)
-    #[arg(long, default_value_t = 16, value_name = "N", help_heading = "Mount", value_parser = at_least_one())]
+    #[arg(long, default_value_t = defaults::SCAN_THREADS, value_name = "N", help_heading = "Mount", value_parser = at_least_one())]
     pub scan_threads: usize,
     /// Serve cache hits with pread in the daemon even where FUSE passthrough is available
     #[arg(long, help_heading = "Mount")]
@@ -157,7 +157,7 @@ impl TryFrom<&MountArgs> for MountConfig {
     fn try_from(args: &MountArgs) -> Result<MountConfig, MountArgsError> {
         let (sampler, ranks) = args
             .sampler
-            .config(SamplerKind::Auto, super::NODE_OPTIONS)?;
+            .config(defaults::SAMPLER, super::NODE_OPTIONS)?;
         if sampler.kind == SamplerKind::Auto && args.epoch != 0 {
             return Err(MountArgsError::EpochWithAuto);
         }
@@ -207,4 +207,27 @@ pub fn run(args: &MountArgs) -> anyhow::Result<()> {
     let config = MountConfig::try_from(args)?;
     daemon::run(&config)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::daemon::MountConfig;
+
+    #[test]
+    fn a_mount_without_options_is_the_default_config() {
+        let cli = super::super::Cli::try_parse_from(["stagefs", "mount", "s", "m", "--cache", "c"]);
+        let super::super::Command::Mount(args) = cli.unwrap().command else {
+            unreachable!()
+        };
+        let parsed = MountConfig::try_from(&*args).unwrap();
+        let default = MountConfig {
+            source: "s".into(),
+            mountpoint: "m".into(),
+            cache: "c".into(),
+            ..MountConfig::default()
+        };
+        assert_eq!(format!("{parsed:?}"), format!("{default:?}"));
+    }
 }

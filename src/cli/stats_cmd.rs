@@ -104,8 +104,8 @@ fn is_inside_mount(path: &Path) -> bool {
         return false;
     };
     let n = CString::new(crate::fs::STATE_XATTR).expect("static name");
-    // SAFETY: valid C strings; a size probe writes nothing.
-    unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), std::ptr::null_mut(), 0) >= 0 }
+    // An empty buffer: a size probe, which writes nothing.
+    crate::sys::getxattr(&p, &n, &mut [], true).is_ok()
 }
 
 /// The order's source and the tracker's mode; for a fed order, who announced this epoch.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use fuser::{Config, MountOption, SessionACL};
 
 use super::checks::{absolute_for_new, claim_mountpoint, preflight};
-use super::lifecycle::{RunningMount, block_termination_signals};
+use super::lifecycle::RunningMount;
 use super::mounts::HeldMount;
 use super::{Capacity, Lookahead, MountConfig, MountError};
 use crate::cache::{CacheDir, index_path};
@@ -55,7 +55,7 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let settings = stager_settings(config, &cache)?;
     // Signals must be blocked before any long-lived thread exists so none of them takes a
     // SIGTERM (the scan's threads have ended by now).
-    block_termination_signals();
+    sys::TerminationSignals::block();
     if scanned {
         save_index_later(catalog.clone(), index_path(&cache_root));
     }

@@ -5,7 +5,6 @@
 use std::fs;
 use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -144,8 +143,8 @@ pub fn claim_mountpoint(mp: &Path) -> Result<fs::File, MountError> {
         source: e,
     })?;
     let deadline = Instant::now() + CLAIM_WAIT;
-    // SAFETY: flock on a descriptor we own; non-blocking, so the wait stays bounded.
-    while unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    // Non-blocking (flock with LOCK_NB), so the wait stays bounded.
+    while dir.try_lock().is_err() {
         if Instant::now() > deadline {
             return Err(MountError::MountpointClaimed {
                 path: mp.to_path_buf(),
@@ -197,16 +196,15 @@ fn check_metrics_file(path: &Path) -> Result<(), MetricsFileProblem> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-        .map_err(|_| MetricsFileProblem::Nul)?;
-    // SAFETY: valid C string.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        return Err(MetricsFileProblem::NotWritable {
-            dir: dir.to_path_buf(),
-            source: std::io::Error::last_os_error(),
-        });
+    if dir.as_os_str().as_encoded_bytes().contains(&0) {
+        return Err(MetricsFileProblem::Nul);
     }
-    Ok(())
+    crate::sys::access(dir, libc::W_OK | libc::X_OK).map_err(|source| {
+        MetricsFileProblem::NotWritable {
+            dir: dir.to_path_buf(),
+            source,
+        }
+    })
 }
 
 /// Whether the file at `path` starts as [`crate::stats`] writes metrics files.

@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::defaults;
 use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
-use crate::order::{SamplerConfig, SamplerKind};
+use crate::order::SamplerConfig;
 use crate::stager::EvictionKind;
 
 /// How far ahead of the reader the stager may copy.
@@ -28,8 +29,8 @@ pub enum Capacity {
     FreeSpace,
 }
 
-/// One mount, fully described. [`Default`] gives the command line's defaults, with empty
-/// paths: set `source`, `mountpoint` and `cache`.
+/// One mount, fully described. [`Default`] gives the command line's defaults
+/// ([`defaults`]), with empty paths: set `source`, `mountpoint` and `cache`.
 #[derive(Clone, Debug)]
 pub struct MountConfig {
     /// Dataset directory (on the parallel file system).
@@ -100,30 +101,25 @@ impl Default for MountConfig {
             mountpoint: PathBuf::new(),
             cache: PathBuf::new(),
             capacity: Capacity::FreeSpace,
-            sampler: SamplerConfig::new(SamplerKind::TorchDistributed),
+            sampler: SamplerConfig::new(defaults::SAMPLER),
             ranks: vec![0],
             epoch: 0,
-            layout: LayoutKind::ImageFolder,
+            layout: defaults::LAYOUT,
             extensions: DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect(),
             list_file: None,
             dataset: None,
-            // A parallel file system serves many reads at once.
-            stage_threads: 16,
+            stage_threads: defaults::STAGE_THREADS,
             lookahead: None,
-            eviction: EvictionKind::Belady,
-            // 64 MiB: below it a copy finishes about as fast as a read-through would start.
-            read_through_above: 64 << 20,
-            retries: 3,
-            open_timeout: Duration::from_secs(60),
-            // Roughly workers × prefetch × batch × local ranks of a large job.
-            window: 65_536,
+            eviction: defaults::EVICTION,
+            read_through_above: defaults::READ_THROUGH_ABOVE,
+            retries: defaults::RETRIES,
+            open_timeout: defaults::OPEN_TIMEOUT,
+            window: defaults::WINDOW,
             foreground: false,
             allow_other: false,
             job_user: None,
-            // Parallel DataLoader workers need several.
-            fuse_threads: 8,
-            // Metadata calls to a parallel file system are slow: overlap them.
-            scan_threads: 16,
+            fuse_threads: defaults::FUSE_THREADS,
+            scan_threads: defaults::SCAN_THREADS,
             passthrough: true,
             index: None,
             log_file: None,

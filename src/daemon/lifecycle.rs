@@ -4,8 +4,7 @@
 
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::io::{FromRawFd, RawFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -16,6 +15,7 @@ use super::mounts::{self, ChildError, HeldMount};
 use super::{MountConfig, MountError, checks, logging, start};
 use crate::control::ControlServer;
 use crate::fs::{MountedDataset, StageFs};
+use crate::sys::{self, TerminationSignals};
 
 /// The daemon reports readiness on the inherited file descriptor this variable names.
 const READY_FD_ENV: &str = "STAGEFS_READY_FD";
@@ -124,20 +124,15 @@ fn detach(mount: &HeldMount) -> Result<(), ChildError> {
 /// mounted, or with the daemon's error. The daemon is this process's own command line run
 /// again, so a config not parsed from `stagefs mount` arguments must set `foreground`.
 pub fn run(config: &MountConfig) -> Result<(), MountError> {
-    let ready_fd: Option<RawFd> = std::env::var(READY_FD_ENV)
-        .ok()
-        .and_then(|v| v.parse().ok());
-    if !config.foreground && ready_fd.is_none() {
+    let mut ready = sys::inherited_fd(READY_FD_ENV).map(fs::File::from);
+    if !config.foreground && ready.is_none() {
         checks::preflight(config)?;
         return spawn_daemon(config);
     }
     // Copy buffers are 1 MiB. glibc raises its mmap threshold after the first such buffer is
     // freed and then keeps later ones in per-thread arenas: with 16 copy threads that pinned
     // ~100 MB of freed memory. A fixed threshold keeps big buffers in mmap, returned on free.
-    // SAFETY: mallopt only tunes the allocator.
-    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
-    // SAFETY: the fd was created for us by the parent and is owned by this process alone.
-    let mut ready = ready_fd.map(|fd| unsafe { fs::File::from_raw_fd(fd) });
+    sys::set_mmap_threshold(128 * 1024);
     // Errors from here on, the log's own included, reach the user through the pipe.
     let started = logging::init(config, ready.is_some()).and_then(|()| start(config));
     let running = match started {
@@ -179,12 +174,8 @@ fn serve(config: &MountConfig, running: RunningMount) {
         .map(|p| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
     // The daemon must not pin the directory it was started from (that file system could not
     // be unmounted while it runs); the paths it keeps using are absolute.
-    // SAFETY: valid C string.
-    if unsafe { libc::chdir(c"/".as_ptr()) } != 0 {
-        log::warn!(
-            "cannot leave the starting directory: {}",
-            std::io::Error::last_os_error()
-        );
+    if let Err(e) = std::env::set_current_dir("/") {
+        log::warn!("cannot leave the starting directory: {e}");
     }
     let metrics = metrics_path.and_then(|path| {
         let (data, passthrough) = (running.data.clone(), running.passthrough.clone());
@@ -205,18 +196,13 @@ fn serve(config: &MountConfig, running: RunningMount) {
 fn spawn_daemon(config: &MountConfig) -> Result<(), MountError> {
     // A cache that is not stagefs's to use is refused here, where the user sees it at once.
     crate::cache::check_root(&config.cache)?;
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two fds into the array. The read end is close-on-exec; the write end
-    // is inherited by the daemon.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(MountError::Pipe(std::io::Error::last_os_error()));
-    }
-    let (read_fd, write_fd) = (fds[0], fds[1]);
-    // SAFETY: read_fd was just created and is owned here alone (closed on every return).
-    let reader = BufReader::new(unsafe { fs::File::from_raw_fd(read_fd) });
-    let child = daemon_command(write_fd).and_then(|mut cmd| cmd.spawn().map_err(MountError::Spawn));
-    // SAFETY: closing our copy of the write end so EOF arrives if the daemon dies.
-    unsafe { libc::close(write_fd) };
+    // Both ends close on exec; the daemon's command keeps the write end open across it.
+    let (reader, writer) = std::io::pipe().map_err(MountError::Pipe)?;
+    let reader = BufReader::new(reader);
+    let child =
+        daemon_command(writer.as_fd()).and_then(|mut cmd| cmd.spawn().map_err(MountError::Spawn));
+    // Our copy of the write end goes, so EOF arrives if the daemon dies.
+    drop(writer);
     let mut child = child?;
     let line = reader
         .lines()
@@ -237,40 +223,23 @@ fn spawn_daemon(config: &MountConfig) -> Result<(), MountError> {
 
 /// This same command line, run again in a new session with the pipe's write end inherited and
 /// named by [`READY_FD_ENV`]; the daemon parses its arguments exactly as this process did.
-fn daemon_command(write_fd: RawFd) -> Result<Command, MountError> {
+fn daemon_command(write_end: BorrowedFd<'_>) -> Result<Command, MountError> {
     let exe = std::env::current_exe().map_err(MountError::NoExecutable)?;
     let mut cmd = Command::new(exe);
     cmd.args(std::env::args_os().skip(1))
-        .env(READY_FD_ENV, write_fd.to_string())
+        .env(READY_FD_ENV, write_end.as_raw_fd().to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let detach_and_keep_pipe = move || {
-        // SAFETY: setsid has no memory arguments; it only fails if already a group leader.
-        unsafe { libc::setsid() };
-        // Keep the write end open across exec.
-        // SAFETY: fcntl on the pipe's write end, which this child inherited.
-        let flags = unsafe { libc::fcntl(write_fd, libc::F_GETFD) };
-        // SAFETY: as above.
-        unsafe { libc::fcntl(write_fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) };
-        Ok(())
-    };
-    // SAFETY: the closure makes only async-signal-safe calls between fork and exec.
-    unsafe { cmd.pre_exec(detach_and_keep_pipe) };
+    sys::detach_keeping(&mut cmd, write_end);
     Ok(cmd)
 }
 
 /// Blocks until SIGTERM/SIGINT/SIGHUP or until the mount goes away (e.g. `fusermount3 -u`).
 fn wait_for_exit(mount: &RunningMount) {
-    let signals = block_termination_signals();
-    let timeout = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: EXIT_POLL.as_nanos() as libc::c_long,
-    };
+    let signals = TerminationSignals::block();
     loop {
-        // SAFETY: valid signal set and timeout; no siginfo wanted.
-        let sig = unsafe { libc::sigtimedwait(&signals, std::ptr::null_mut(), &timeout) };
-        if sig > 0 {
+        if let Some(sig) = signals.wait_timeout(EXIT_POLL) {
             log::info!("signal {sig}: unmounting");
             return;
         }
@@ -279,20 +248,4 @@ fn wait_for_exit(mount: &RunningMount) {
             return;
         }
     }
-}
-
-/// Blocks the termination signals in this thread (and every thread started after it), so one
-/// thread can take them synchronously ([`wait_for_exit`]; `stagefs bench`'s cancel).
-pub fn block_termination_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data, for which all zeroes is a valid value.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid sigset_t owned here.
-    unsafe { libc::sigemptyset(&mut set) };
-    for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: a valid sigset_t and a valid signal number.
-        unsafe { libc::sigaddset(&mut set, s) };
-    }
-    // SAFETY: a valid set; the previous mask is not wanted.
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-    set
 }

@@ -10,6 +10,7 @@
 mod assemble;
 mod checks;
 mod config;
+pub mod defaults;
 mod error;
 mod lifecycle;
 mod logging;
@@ -18,5 +19,5 @@ pub mod mounts;
 pub use assemble::start;
 pub use config::{Capacity, Lookahead, MountConfig};
 pub use error::{MetricsFileProblem, MountError};
-pub use lifecycle::{RunningMount, block_termination_signals, run};
+pub use lifecycle::{RunningMount, run};
 pub use logging::logger;

@@ -15,17 +15,18 @@
 //! that is abandoned if it does not answer. Its daemon is the process the kernel shows holding
 //! its FUSE connection, owned by the mount's owner: never a process that only claims to be.
 
-use std::ffi::{CStr, CString, OsStr};
+use std::ffi::{CString, OsStr};
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::sys::{self, MountOf};
+pub use crate::sys::ChildError;
+use crate::sys::{self, AtMount, MountOf};
 
 /// One line of /proc/self/mountinfo: what identifies a mount and where it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,81 +173,8 @@ pub fn bounded<T: Send + 'static>(
     rx.recv_timeout(limit).ok()
 }
 
-/// The largest attribute value a child reads (statistics are a few KiB).
-const XATTR_MAX: usize = 64 * 1024;
-
-/// Why a call made in a child process (see [`in_child`]) did not succeed.
-#[derive(Debug, thiserror::Error)]
-pub enum ChildError {
-    /// It did not return in time: a FUSE daemon that does not answer.
-    #[error("did not answer within {0:?}")]
-    NoAnswer(Duration),
-    /// The mount on top where the [`HeldMount`] was is another one now, or none.
-    #[error("is no longer the mount there")]
-    Replaced,
-    #[error(transparent)]
-    Io(#[from] io::Error),
-}
-
-/// The first bytes of a child's answer: ≥ 0 for success (the length of what follows), < 0
-/// for minus the errno, or [`REPLACED`].
-type Code = i64;
-const REPLACED: Code = Code::MIN;
-
-/// Sends a child's outcome: `result` (the value's length, or why it failed), then `value`
-/// and, with the first byte, `fd`. Allocates nothing.
-fn answer(
-    sock: BorrowedFd<'_>,
-    result: Result<usize, ChildError>,
-    value: &[u8],
-    fd: Option<BorrowedFd<'_>>,
-) {
-    let code: Code = match &result {
-        Ok(len) => *len as Code,
-        Err(ChildError::Replaced) => REPLACED,
-        Err(ChildError::Io(e)) => -Code::from(e.raw_os_error().unwrap_or(libc::EIO)),
-        Err(ChildError::NoAnswer(_)) => -Code::from(libc::ETIMEDOUT),
-    };
-    sys::send_answer(sock, &code.to_ne_bytes(), fd);
-    if let Ok(len) = result {
-        sys::send_answer(sock, &value[..len.min(value.len())], None);
-    }
-}
-
-/// Runs `body` in a forked child ([`sys::fork_child`]: only `keep` stays open there) and
-/// waits at most `limit` for its [`answer`]: the value and the descriptor it sent. A process,
-/// not a thread: a FUSE daemon stopped just after it read the request (SIGSTOP arrives
-/// asynchronously) leaves the call in an uninterruptible wait that no signal ends, and a
-/// thread in it would keep this whole process from exiting. The child is left behind,
-/// blocked until the daemon resumes or its connection is aborted (`stagefs unmount`).
-///
-/// # Safety
-/// As for [`sys::fork_child`]: `body` makes only async-signal-safe calls on memory prepared
-/// before the call.
-unsafe fn in_child(
-    keep: Option<BorrowedFd<'_>>,
-    limit: Duration,
-    body: impl FnOnce(BorrowedFd<'_>),
-) -> Result<(Vec<u8>, Option<OwnedFd>), ChildError> {
-    let deadline = Instant::now() + limit;
-    // SAFETY: the caller vouches for `body`.
-    let (child, sock) = unsafe { sys::fork_child(keep, body) }?;
-    let (mut bytes, fd) = sys::read_answer(&sock, deadline).ok_or(ChildError::NoAnswer(limit))?;
-    // It has written everything, so it is exiting: reap it.
-    sys::reap(child);
-    if bytes.len() < size_of::<Code>() {
-        return Err(io::Error::from_raw_os_error(libc::EIO).into());
-    }
-    let value = bytes.split_off(size_of::<Code>());
-    match Code::from_ne_bytes(bytes.try_into().expect("a code's bytes")) {
-        REPLACED => Err(ChildError::Replaced),
-        errno if errno < 0 => Err(io::Error::from_raw_os_error((-errno) as i32).into()),
-        _ => Ok((value, fd)),
-    }
-}
-
 /// getxattr(2) of `path`'s attribute `name` (following links), made by a child process and
-/// waited for at most `limit` (see [`in_child`]); None if it did not answer in time.
+/// waited for at most `limit` ([`sys::getxattr_in_child`]); None if it did not answer in time.
 pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::Result<Vec<u8>>> {
     let invalid = || Some(Err(io::Error::from_raw_os_error(libc::EINVAL)));
     let Ok(c_path) = sys::c_path(path) else {
@@ -255,17 +183,8 @@ pub fn bounded_getxattr(path: &Path, name: &str, limit: Duration) -> Option<io::
     let Ok(c_name) = CString::new(name) else {
         return invalid();
     };
-    // Everything the child touches is made before the fork: after it, only system calls.
-    let mut value = vec![0u8; XATTR_MAX];
-    // SAFETY: the child makes one getxattr into the buffer above and answers.
-    let answered = unsafe {
-        in_child(None, limit, |sock| {
-            let len = sys::getxattr(&c_path, &c_name, &mut value, true);
-            answer(sock, len.map_err(ChildError::from), &value, None);
-        })
-    };
-    match answered {
-        Ok((value, _)) => Some(Ok(value)),
+    match sys::getxattr_in_child(&c_path, &c_name, limit) {
+        Ok(value) => Some(Ok(value)),
         Err(ChildError::NoAnswer(_)) => None,
         Err(ChildError::Io(e)) => Some(Err(e)),
         Err(ChildError::Replaced) => unreachable!("only a held mount's calls answer that"),
@@ -287,20 +206,6 @@ pub enum FindError {
     Unreachable(PathBuf),
     #[error("cannot tell which mount it is: {0}")]
     Io(io::Error),
-}
-
-/// What a child does at a held mount, after checking that the mount on top at its name in the
-/// directory it is mounted on is still the one held.
-#[derive(Clone, Copy)]
-enum AtMount<'a> {
-    /// Nothing more.
-    Check,
-    /// Opens the mount's root (O_PATH) and sends it.
-    Pin,
-    /// Reads attribute NAME of the mount's root.
-    Getxattr(&'a CStr),
-    /// umount2(2) with these flags.
-    Unmount(libc::c_int),
 }
 
 /// A mount found from a path and held by identity (see the module's note).
@@ -348,55 +253,13 @@ impl HeldMount {
         }
     }
 
-    /// Makes `what` at the mount in a child waited for at most `limit` (see [`AtMount`]).
+    /// Makes `what` at the mount in a child waited for at most `limit` ([`sys::at_mount`]).
     fn at(
         &self,
         what: AtMount<'_>,
         limit: Duration,
     ) -> Result<(Vec<u8>, Option<OwnedFd>), ChildError> {
-        let (dir, name, held) = (self.dir.as_fd(), self.name.as_c_str(), self.of);
-        let mut value = match what {
-            AtMount::Getxattr(_) => vec![0u8; XATTR_MAX],
-            _ => Vec::new(),
-        };
-        let is_held = move |found: io::Result<MountOf>| match found {
-            Ok(found) if found.is_root && found.same(&held) => Ok(()),
-            Ok(_) => Err(ChildError::Replaced),
-            Err(e) => Err(ChildError::Io(e)),
-        };
-        // SAFETY: the child makes only system calls (fchdir, statx, openat, getxattr,
-        // umount2, sendmsg) on the names and buffers made above.
-        unsafe {
-            in_child(Some(dir), limit, |sock| {
-                let on_top = sys::fchdir(dir)
-                    .map_err(ChildError::from)
-                    .and_then(|()| is_held(sys::mount_of(dir, name)));
-                let (result, fd) = match (on_top, what) {
-                    (Err(e), _) => (Err(e), None),
-                    (Ok(()), AtMount::Check) => (Ok(0), None),
-                    (Ok(()), AtMount::Pin) => {
-                        let flags = libc::O_PATH | libc::O_NOFOLLOW;
-                        match sys::openat(Some(dir), name, flags) {
-                            // Opened after the check: what it opened must be the mount too.
-                            Ok(fd) => match is_held(sys::mount_of(fd.as_fd(), c"")) {
-                                Ok(()) => (Ok(0), Some(fd)),
-                                Err(e) => (Err(e), None),
-                            },
-                            Err(e) => (Err(e.into()), None),
-                        }
-                    }
-                    (Ok(()), AtMount::Getxattr(attr)) => (
-                        sys::getxattr(name, attr, &mut value, false).map_err(Into::into),
-                        None,
-                    ),
-                    (Ok(()), AtMount::Unmount(flags)) => {
-                        let done = sys::umount2(name, flags | libc::UMOUNT_NOFOLLOW);
-                        (done.map(|()| 0).map_err(Into::into), None)
-                    }
-                };
-                answer(sock, result, &value, fd.as_ref().map(AsFd::as_fd));
-            })
-        }
+        sys::at_mount(self.dir.as_fd(), &self.name, self.of, what, limit)
     }
 
     /// Attribute `name` of the mount's root, as its daemon answers it.
@@ -458,18 +321,8 @@ impl HeldMount {
 /// Opens `path` (links followed) with `flags` in a child waited for at most `limit`.
 fn open_in_child(path: &Path, flags: libc::c_int, limit: Duration) -> Result<OwnedFd, FindError> {
     let c_path = sys::c_path(path).map_err(FindError::Io)?;
-    // SAFETY: the child makes one openat on the path made above and answers.
-    let answered = unsafe {
-        in_child(None, limit, |sock| {
-            match sys::openat(None, &c_path, flags) {
-                Ok(fd) => answer(sock, Ok(0), &[], Some(fd.as_fd())),
-                Err(e) => answer(sock, Err(e.into()), &[], None),
-            }
-        })
-    };
-    match answered {
-        Ok((_, Some(fd))) => Ok(fd),
-        Ok((_, None)) => Err(FindError::Io(io::Error::from_raw_os_error(libc::EIO))),
+    match sys::open_in_child(&c_path, flags, limit) {
+        Ok(fd) => Ok(fd),
         Err(ChildError::NoAnswer(limit)) => Err(FindError::NoAnswer(limit)),
         Err(ChildError::Io(e))
             if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) =>
@@ -564,20 +417,7 @@ pub enum AbortError {
 /// fusectl first if nobody has.
 pub fn abort_connection(mount: &MountEntry) -> Result<(), AbortError> {
     if !table().iter().any(|m| m.fstype == "fusectl") {
-        let (src, target, fstype) = (c"none", c"/sys/fs/fuse/connections", c"fusectl");
-        // SAFETY: valid C strings; no mount data.
-        let r = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                target.as_ptr(),
-                fstype.as_ptr(),
-                0,
-                std::ptr::null(),
-            )
-        };
-        if r != 0 {
-            return Err(AbortError::MountFusectl(std::io::Error::last_os_error()));
-        }
+        sys::mount_fusectl(c"/sys/fs/fuse/connections").map_err(AbortError::MountFusectl)?;
     }
     let abort = format!("{FUSECTL}/{}/abort", mount.minor);
     fs::write(&abort, b"1").map_err(|source| AbortError::Write {

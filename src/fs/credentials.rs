@@ -10,6 +10,8 @@
 
 use std::io;
 
+use crate::sys;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SwitchError {
     #[error("{call}: {source}")]
@@ -152,8 +154,8 @@ pub(super) struct AsCaller {
 impl AsCaller {
     pub(super) fn enter(cred: &Credential) -> Result<AsCaller, SwitchError> {
         let saved = Saved {
-            fsuid: fsuid_now(),
-            fsgid: fsgid_now(),
+            fsuid: sys::fsuid(),
+            fsgid: sys::fsgid(),
             groups: groups_now()?,
         };
         // From here on, Drop restores whatever was changed.
@@ -180,21 +182,10 @@ impl Drop for AsCaller {
     }
 }
 
-fn fsuid_now() -> u32 {
-    // SAFETY: setfsuid with an invalid id (-1) changes nothing and returns the current fsuid.
-    unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32 }
-}
-
-fn fsgid_now() -> u32 {
-    // SAFETY: setfsgid with an invalid id (-1) changes nothing and returns the current fsgid.
-    unsafe { libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32 }
-}
-
 /// setfsuid reports no error: the result is verified by reading it back.
 fn set_fsuid(uid: u32) -> Result<(), SwitchError> {
-    // SAFETY: setfsuid takes any id; it changes only this thread's credentials.
-    unsafe { libc::syscall(libc::SYS_setfsuid, uid) };
-    match fsuid_now() {
+    sys::set_fsuid(uid);
+    match sys::fsuid() {
         now if now == uid => Ok(()),
         now => Err(SwitchError::NotTaken {
             call: "setfsuid",
@@ -204,9 +195,8 @@ fn set_fsuid(uid: u32) -> Result<(), SwitchError> {
 }
 
 fn set_fsgid(gid: u32) -> Result<(), SwitchError> {
-    // SAFETY: setfsgid takes any id; it changes only this thread's credentials.
-    unsafe { libc::syscall(libc::SYS_setfsgid, gid) };
-    match fsgid_now() {
+    sys::set_fsgid(gid);
+    match sys::fsgid() {
         now if now == gid => Ok(()),
         now => Err(SwitchError::NotTaken {
             call: "setfsgid",
@@ -215,16 +205,12 @@ fn set_fsgid(gid: u32) -> Result<(), SwitchError> {
     }
 }
 
-/// The raw syscall, not glibc's wrapper, which would set the groups of every thread.
+/// Only this thread's groups (see [`sys::set_thread_groups`]).
 fn set_groups(groups: &[u32]) -> Result<(), SwitchError> {
-    // SAFETY: a valid array of `groups.len()` gid_t; only this thread's credentials change.
-    let r = unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) };
-    if r != 0 {
-        return Err(SwitchError::Call {
-            call: "setgroups",
-            source: io::Error::last_os_error(),
-        });
-    }
+    sys::set_thread_groups(groups).map_err(|source| SwitchError::Call {
+        call: "setgroups",
+        source,
+    })?;
     match groups_now()? {
         now if now == groups => Ok(()),
         now => Err(SwitchError::NotTaken {
@@ -236,17 +222,10 @@ fn set_groups(groups: &[u32]) -> Result<(), SwitchError> {
 
 /// This thread's supplementary groups, sorted as the kernel keeps them.
 fn groups_now() -> Result<Vec<u32>, SwitchError> {
-    let failed = || SwitchError::Call {
+    sys::thread_groups().map_err(|source| SwitchError::Call {
         call: "getgroups",
-        source: io::Error::last_os_error(),
-    };
-    // SAFETY: a size of 0 asks only for the count; the pointer is not used.
-    let count = unsafe { libc::syscall(libc::SYS_getgroups, 0, std::ptr::null_mut::<u32>()) };
-    let mut groups = vec![0u32; usize::try_from(count).map_err(|_| failed())?];
-    // SAFETY: a buffer of `groups.len()` gid_t; this thread alone changes its groups.
-    let n = unsafe { libc::syscall(libc::SYS_getgroups, groups.len(), groups.as_mut_ptr()) };
-    groups.truncate(usize::try_from(n).map_err(|_| failed())?);
-    Ok(groups)
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -321,7 +300,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let root = sys::open_directory(dir.path()).unwrap();
-        let (before_uid, before_groups) = (fsuid_now(), groups_now().unwrap());
+        let (before_uid, before_groups) = (sys::fsuid(), groups_now().unwrap());
         let nobody = Credential::for_tests(65534, &[]);
         let in_group_0 = Credential {
             uid: 65534,
@@ -332,7 +311,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
         std::thread::scope(|s| {
             s.spawn(|| {
                 let guard = AsCaller::enter(&nobody).unwrap();
-                assert_eq!((fsuid_now(), fsgid_now()), (65534, 65534));
+                assert_eq!((sys::fsuid(), sys::fsgid()), (65534, 65534));
                 switched.store(true, Ordering::SeqCst);
                 while !main_sees.load(Ordering::SeqCst) {
                     std::thread::yield_now();
@@ -342,7 +321,7 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
                 check_on_source(root.as_fd(), Path::new(""), libc::R_OK | libc::X_OK).unwrap();
                 drop(guard);
                 assert_eq!(
-                    (fsuid_now(), groups_now().unwrap()),
+                    (sys::fsuid(), groups_now().unwrap()),
                     (before_uid, before_groups.clone())
                 );
                 let _as_member = AsCaller::enter(&in_group_0).unwrap();
@@ -353,11 +332,11 @@ FDSize:\t64\nGroups:\t27 4 100 4 \nNStgid:\t4242\n";
             }
             // Meanwhile this thread is still itself.
             assert_eq!(
-                (fsuid_now(), groups_now().unwrap()),
+                (sys::fsuid(), groups_now().unwrap()),
                 (before_uid, before_groups.clone())
             );
             main_sees.store(true, Ordering::SeqCst);
         });
-        assert_eq!(fsuid_now(), before_uid);
+        assert_eq!(sys::fsuid(), before_uid);
     }
 }

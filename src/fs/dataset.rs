@@ -8,7 +8,6 @@
 //! [`OpenReply`], so the FUSE adapter supplies the real one and tests a fake.
 
 use std::ffi::OsStr;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -476,15 +475,7 @@ fn open_permitted<B: Send + Sync + 'static, R: OpenReply<Backing = B>>(
 /// SOURCE's file system figures, through the root fd opened before mounting: SOURCE's path,
 /// if replaced by a link into the mount, would have this wait on the mount itself.
 fn read_statfs(root: &SourceRoot) -> std::io::Result<Statfs> {
-    let st = root.with(|root| {
-        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid fd and out pointer.
-        match unsafe { libc::fstatvfs(root.as_raw_fd(), &mut st) } {
-            0 => Ok(st),
-            _ => Err(std::io::Error::last_os_error()),
-        }
-    })?;
+    let st = root.with(crate::sys::fstatvfs)?;
     Ok(Statfs {
         blocks: st.f_blocks,
         bfree: st.f_bfree,

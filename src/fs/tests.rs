@@ -492,8 +492,7 @@ impl Source for ReentrantSource {
             && let Some(tx) = self.seen.lock().take()
             && let Some(fs) = self.fs.get().and_then(Weak::upgrade)
         {
-            // SAFETY: gettid has no preconditions.
-            let tid = unsafe { libc::gettid() } as u32;
+            let tid = crate::sys::thread_id();
             let caller = Caller { pid: tid, ..me() };
             let answers = self.targets.get().unwrap().iter();
             let answers = answers.map(|&ino| open_with(&fs, ino, libc::O_RDONLY, caller, false));

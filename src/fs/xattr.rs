@@ -39,6 +39,7 @@ use super::dataset::{Answer, DatasetFs, MountedDataset, id, refused};
 use super::error::FsError;
 use crate::catalog::{FileId, Kind, ROOT};
 use crate::stats::Snapshot;
+use crate::sys;
 
 pub const PREFIX: &str = "user.stagefs.";
 /// The keys under [`PREFIX`] that commands read: every statistic as JSON (root), the daemon's
@@ -487,42 +488,26 @@ fn c_path(path: &std::path::Path) -> Result<CString, i32> {
 fn source_xattr(node: &SourceNode, name: &OsStr) -> Result<Vec<u8>, i32> {
     let n = CString::new(name.as_bytes()).map_err(|_| libc::EINVAL)?;
     let mut buf = vec![0u8; MAX_SOURCE_VALUE];
-    // SAFETY: valid C strings and a buffer of the stated length. The path is a magic link to
-    // the node itself, which getxattr follows to it and no further.
-    let len = unsafe {
-        libc::getxattr(
-            node.path.as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if len < 0 {
-        return Err(std::io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EIO));
-    }
-    buf.truncate(len as usize);
+    // The path is a magic link to the node itself, which getxattr follows to it and no
+    // further.
+    let len = sys::getxattr(&node.path, &n, &mut buf, true)
+        .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+    buf.truncate(len);
     Ok(buf)
 }
 
 fn source_list(node: &SourceNode) -> Result<Vec<u8>, i32> {
     let mut buf = vec![0u8; MAX_SOURCE_VALUE];
-    // SAFETY: valid C string and a buffer of the stated length (see source_xattr).
-    let len = unsafe { libc::listxattr(node.path.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if len < 0 {
-        let errno = std::io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EIO);
+    // The path is a magic link, as in source_xattr.
+    match sys::listxattr(&node.path, &mut buf) {
+        Ok(len) => {
+            buf.truncate(len);
+            Ok(buf)
+        }
         // A source without xattr support simply has none.
-        return if errno == libc::ENOTSUP {
-            Ok(Vec::new())
-        } else {
-            Err(errno)
-        };
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => Ok(Vec::new()),
+        Err(e) => Err(e.raw_os_error().unwrap_or(libc::EIO)),
     }
-    buf.truncate(len as usize);
-    Ok(buf)
 }
 
 #[cfg(test)]

@@ -31,7 +31,8 @@ pub use epoch::EpochPlan;
 pub use feed::{Feed, FeedError, StreamKey};
 pub use generation::{Generation, Order, Prediction};
 pub use tracker::{
-    OpenMatch, Run, Tracker, TrackerMode, TrackerSettings, densest_run, find_position, reach,
+    DEFAULT_WINDOW, OpenMatch, Run, Tracker, TrackerMode, TrackerSettings, densest_run,
+    find_position, reach,
 };
 
 /// A position in the run: `epoch * epoch_len + offset`. Global positions make "next use"

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, Metadata};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::PathBuf;
@@ -177,13 +177,7 @@ impl RemoteFs {
     fn statfs_figures(&self) -> Result<libc::statvfs, Errno> {
         let root = self.path(INodeNo(ROOT))?;
         let root = File::open(root).map_err(errno)?;
-        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
-        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid open descriptor and a statvfs owned here.
-        if unsafe { libc::fstatvfs(root.as_raw_fd(), &mut s) } != 0 {
-            return Err(errno(io::Error::last_os_error()));
-        }
-        Ok(s)
+        crate::sys::fstatvfs(root.as_fd()).map_err(errno)
     }
 
     fn open_listing(&self, dir: INodeNo) -> Result<FileHandle, Errno> {

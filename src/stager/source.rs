@@ -15,7 +15,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -80,15 +80,12 @@ fn is_mount_root(path: &Path, fd: BorrowedFd<'_>) -> bool {
     let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
         return false;
     };
-    // SAFETY: stat is plain data, for which all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid descriptor (O_PATH descriptors may be fstat'ed) and out pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+    let Ok(dev) = sys::device_of(fd) else {
         return false;
-    }
+    };
     std::fs::metadata(parent).is_ok_and(|p| {
         use std::os::unix::fs::MetadataExt;
-        p.dev() != st.st_dev
+        p.dev() != dev
     })
 }
 
@@ -151,6 +148,10 @@ pub fn open_verified(
         why,
         error,
     };
+    let failed = |source| SourceError::Io {
+        path: catalog.root_path().join(&relative),
+        source,
+    };
     let opened = source.open(&relative).map_err(|e| match e.raw_os_error() {
         Some(libc::ENOENT) => changed("was deleted", OpenError::Gone),
         // A symlink (ELOOP), a path leaving SOURCE (EXDEV), a file where a directory was
@@ -158,15 +159,9 @@ pub fn open_verified(
         Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR | libc::ESTALE | libc::ENXIO) => {
             changed("was replaced", OpenError::Changed)
         }
-        _ => SourceError::Io {
-            path: catalog.root_path().join(&relative),
-            source: e,
-        },
+        _ => failed(e),
     })?;
-    let meta = opened.metadata().map_err(|e| SourceError::Io {
-        path: catalog.root_path().join(&relative),
-        source: e,
-    })?;
+    let meta = opened.metadata().map_err(failed)?;
     let entry = catalog
         .entry(file)
         .ok_or_else(|| changed("is unknown", OpenError::Gone))?;
@@ -181,8 +176,7 @@ pub fn open_verified(
     }
     // Opened non-blocking only so a FIFO could not hold us; reads of the regular file it
     // turned out to be should block as usual (a network file system may honour the flag).
-    // SAFETY: F_SETFL on a descriptor we own.
-    unsafe { libc::fcntl(opened.as_raw_fd(), libc::F_SETFL, libc::O_RDONLY) };
+    sys::set_status_flags(opened.as_fd(), libc::O_RDONLY).map_err(failed)?;
     Ok(opened)
 }
 
@@ -227,9 +221,7 @@ mod tests {
 
         // Swapped for a FIFO: refused at once, not waited on.
         std::fs::remove_file(root.join("d/c")).unwrap();
-        let fifo = sys::c_path(&root.join("d/c")).unwrap();
-        // SAFETY: valid path.
-        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        sys::mkfifo(&root.join("d/c"), 0o644).unwrap();
         assert_eq!(errno_of(&root, &catalog, "d/c"), Err(libc::ESTALE));
 
         // Deleted.

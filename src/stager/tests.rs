@@ -875,9 +875,7 @@ fn mutate(path: &Path, m: Mutation, n: usize) -> Option<Vec<u8>> {
         }
         Mutation::Fifo => {
             replace(path);
-            let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: a valid NUL-terminated path.
-            unsafe { libc::mkfifo(c.as_ptr(), 0o644) };
+            crate::sys::mkfifo(path, 0o644).unwrap();
         }
         _ => {}
     }

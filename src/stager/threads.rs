@@ -29,7 +29,7 @@ impl Inner {
     /// A copy thread: takes the next job (urgent first, then the frontier), copies with the
     /// lock released, books the outcome, answers the waiters.
     pub(super) fn worker(self: Arc<Self>) {
-        self.copy_threads.lock().push(crate::sys::gettid());
+        self.copy_threads.lock().push(crate::sys::thread_id());
         let mut core = self.core.lock();
         loop {
             if self.shutdown.load(Ordering::SeqCst) {

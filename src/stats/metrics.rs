@@ -21,9 +21,28 @@ use crate::files::write_atomically;
 /// without measurable cost.
 const WRITE_INTERVAL: Duration = Duration::from_secs(5);
 
-/// (metric name, type, help, value): one row per exported value.
-fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
-    let mut rows = vec![
+/// A row of the exposition: (metric name, type, help, value).
+type Row = (&'static str, &'static str, &'static str, f64);
+
+/// One row per exported value: the counters, then the gauges.
+fn rows(s: &Snapshot) -> Vec<Row> {
+    let mut rows = counters(s);
+    rows.extend(gauges(s));
+    // Absent, like its JSON null, until there is a prediction and an open to judge.
+    if let Some(quality) = s.prediction_quality {
+        rows.push((
+            "stagefs_prediction_quality",
+            "gauge",
+            "Share of the latest epoch's opens that were predicted.",
+            quality,
+        ));
+    }
+    rows
+}
+
+/// The counters: what happened since the mount started.
+fn counters(s: &Snapshot) -> Vec<Row> {
+    vec![
         (
             "stagefs_hits_total",
             "counter",
@@ -96,6 +115,12 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
             "Files found complete in the cache at mount time and kept.",
             s.reused_files as f64,
         ),
+    ]
+}
+
+/// The gauges: the mount's state now.
+fn gauges(s: &Snapshot) -> Vec<Row> {
+    vec![
         (
             "stagefs_cache_used_bytes",
             "gauge",
@@ -156,17 +181,7 @@ fn rows(s: &Snapshot) -> Vec<(&'static str, &'static str, &'static str, f64)> {
             "Seconds since the mount started.",
             s.uptime_seconds,
         ),
-    ];
-    // Absent, like its JSON null, until there is a prediction and an open to judge.
-    if let Some(quality) = s.prediction_quality {
-        rows.push((
-            "stagefs_prediction_quality",
-            "gauge",
-            "Share of the latest epoch's opens that were predicted.",
-            quality,
-        ));
-    }
-    rows
+    ]
 }
 
 /// The tracker's modes, exported as a state set.

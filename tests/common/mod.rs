@@ -3,8 +3,13 @@
 #![allow(dead_code)] // each test crate uses a different part of this module
 
 use std::ffi::{OsStr, OsString};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// The uid and gid of `nobody`, the other user of the tests that need one.
+pub const NOBODY: u32 = 65534;
 
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_stagefs"))
@@ -18,14 +23,6 @@ pub fn e2e_dir() -> PathBuf {
 /// A command's output as text, for messages.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// Whether `pid` runs (a zombie has exited: nothing may reap a daemon reparented to init).
-pub fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
-        !s.lines()
-            .any(|l| l.starts_with("State:") && l.contains("(zombie)"))
-    })
 }
 
 /// Runs `stagefs ARGS`, returning its output.
@@ -71,8 +68,7 @@ pub fn require_fuse() {
         Path::new("/dev/fuse").exists(),
         "/dev/fuse is missing: these tests mount FUSE file systems"
     );
-    // SAFETY: no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = stagefs::sys::euid() == 0;
     assert!(
         root || Path::new("/usr/bin/fusermount3").exists(),
         "mount tests need root or fusermount3 (apt-get install fuse3)"
@@ -140,10 +136,7 @@ impl TestMount {
 
     /// The daemon's pid, as the mount reports it (`user.stagefs.pid`).
     pub fn daemon_pid(&self) -> i32 {
-        let pid = self.getfattr(&self.mnt, "user.stagefs.pid");
-        String::from_utf8_lossy(&pid)
-            .parse()
-            .expect("user.stagefs.pid is a number")
+        daemon_pid(&self.mnt)
     }
 
     pub fn stat(&self, key: &str) -> u64 {
@@ -155,10 +148,7 @@ impl TestMount {
     /// Waits (at most 20 s) until the integer statistic `key` reaches `n`; returns its last
     /// value, for the caller to assert on.
     pub fn wait_stat(&self, key: &str, n: u64) -> u64 {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while self.stat(key) < n && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+        wait_for(Duration::from_secs(20), || self.stat(key) >= n);
         self.stat(key)
     }
 
@@ -214,6 +204,15 @@ pub fn stats_at(mnt: &Path) -> serde_json::Value {
     serde_json::from_slice(&raw).expect("stats JSON")
 }
 
+/// The pid of the daemon serving the mount at `mnt`, as it reports it (`user.stagefs.pid`).
+pub fn daemon_pid(mnt: &Path) -> i32 {
+    let pid = getfattr(mnt, "user.stagefs.pid")
+        .unwrap_or_else(|e| panic!("user.stagefs.pid of {}: {e}", mnt.display()));
+    String::from_utf8_lossy(&pid)
+        .parse()
+        .expect("user.stagefs.pid is a number")
+}
+
 /// Whether `path` is listed as a mount point in /proc/self/mountinfo.
 pub fn is_mounted(path: &Path) -> bool {
     mount_count(path) > 0
@@ -248,7 +247,8 @@ pub fn daemon_pids(mountpoint: &Path) -> Vec<i32> {
         .collect()
 }
 
-/// Whether `pid` exists and is not a zombie (an exited daemon nobody reaped yet counts as gone).
+/// Whether `pid` exists and is not a zombie (an exited daemon nobody reaped yet counts as gone:
+/// nothing may reap a daemon reparented to init).
 pub fn process_alive(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
@@ -260,19 +260,97 @@ pub fn process_alive(pid: i32) -> bool {
     !matches!(state, None | Some('Z') | Some('X'))
 }
 
-/// Polls `done` every 20 ms for up to `limit`; returns whether it became true. For waiting on
-/// something asynchronous (a daemon exiting), never for asserting how long it took.
-pub fn wait_for(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + limit;
+/// Sends signal `sig` to `pid`, failing the test if it cannot be sent.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) has no memory preconditions.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+}
+
+/// Polls `probe` every 20 ms for up to `limit`; returns the first value it yields, or None.
+/// For waiting on something asynchronous (a daemon exiting), never for asserting how long it
+/// took.
+pub fn poll<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + limit;
     loop {
-        if done() {
-            return true;
+        if let Some(value) = probe() {
+            return Some(value);
         }
-        if std::time::Instant::now() >= deadline {
-            return false;
+        if Instant::now() >= deadline {
+            return None;
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Polls `done` (see [`poll`]) for up to `limit`; returns whether it became true.
+pub fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    poll(limit, || done().then_some(())).is_some()
+}
+
+/// Polls `probe` (see [`poll`]) until it yields a value; fails the test naming `what` if it
+/// has not after `limit`.
+pub fn wait_value<T>(limit: Duration, what: &str, probe: impl FnMut() -> Option<T>) -> T {
+    poll(limit, probe).unwrap_or_else(|| panic!("waited {limit:?} for {what}"))
+}
+
+/// Polls `done` (see [`poll`]) until it holds; fails the test naming `what` if it has not
+/// after `limit`. Returns how long it took, for a test's report (not for an assertion).
+pub fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    wait_value(limit, what, || done().then_some(()));
+    start.elapsed()
+}
+
+/// `setpriv` set to run a command as uid and gid `uid` with exactly the supplementary
+/// `groups` (none: `--clear-groups`); add the command and its arguments.
+pub fn as_user(uid: u32, groups: &[u32]) -> Command {
+    let groups = match groups {
+        [] => "--clear-groups".to_string(),
+        g => format!(
+            "--groups={}",
+            g.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+        ),
+    };
+    let mut command = Command::new("setpriv");
+    command
+        .arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg(groups);
+    command
+}
+
+/// `cmd args...` run as nobody (uid and gid 65534, no other groups; see [`as_user`]).
+pub fn as_nobody<A: AsRef<OsStr>>(
+    cmd: impl AsRef<OsStr>,
+    args: impl IntoIterator<Item = A>,
+) -> Command {
+    let mut command = as_user(NOBODY, &[]);
+    command.arg(cmd).args(args);
+    command
+}
+
+/// A copy of the `stagefs` binary in `dir`, which other users can run (the build tree need not
+/// be open to them).
+pub fn bin_copy(dir: &Path) -> PathBuf {
+    let exe = dir.join("stagefs-copy");
+    std::fs::copy(bin(), &exe).unwrap();
+    exe
+}
+
+/// A work directory others may traverse (tempdir makes it 0700), so that what they are
+/// refused is refused by the mount or the cache, not by the path to them; checked by having
+/// nobody read a file in it.
+pub fn open_workdir() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let control = tmp.path().join("control.txt");
+    std::fs::write(&control, b"control").unwrap();
+    let out = as_nobody("cat", [&control]).output().expect("run setpriv");
+    assert_eq!(
+        out.stdout, b"control",
+        "nobody cannot reach the work directory: {out:?}"
+    );
+    tmp
 }
 
 /// Writes `files` (relative path, content) under `root`.
@@ -304,17 +382,11 @@ pub fn image_folder(root: &Path, n: u32, classes: u32, min: usize, max: usize) -
 /// Extended attribute `name` of `path` (not following a final symlink), or None if it has
 /// none; for per-file attributes such as `user.stagefs.state` without a process per file.
 pub fn lgetxattr(path: &Path, name: &str) -> Option<Vec<u8>> {
-    use std::os::unix::ffi::OsStrExt;
-    let p = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let p = stagefs::sys::c_path(path).ok()?;
     let n = std::ffi::CString::new(name).ok()?;
     let mut buf = vec![0u8; 64 * 1024];
-    // SAFETY: valid C strings and a buffer of the stated length.
-    let len =
-        unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if len < 0 {
-        return None;
-    }
-    buf.truncate(len as usize);
+    let len = stagefs::sys::getxattr(&p, &n, &mut buf, false).ok()?;
+    buf.truncate(len);
     Some(buf)
 }
 

@@ -59,10 +59,15 @@ pub struct TrackerSettings {
     pub recent: usize,
 }
 
+/// How far from the reader (in samples) an open is still matched to the prediction: roughly
+/// workers × prefetch × batch × local ranks of a large job. A mount's default
+/// (`daemon::defaults::WINDOW`) is this.
+pub const DEFAULT_WINDOW: u64 = 65_536;
+
 impl Default for TrackerSettings {
     fn default() -> Self {
         TrackerSettings {
-            window: 65_536,
+            window: DEFAULT_WINDOW,
             recent: 64,
         }
     }
