@@ -207,7 +207,17 @@ impl ControlSession {
             });
         }
         self.hold(paths.len())?;
-        let files = self.readable_files(&data.catalog, &paths, gone);
+        let catalog = &data.catalog;
+        let named: Vec<Option<FileId>> = (paths.iter())
+            .map(|p| p.as_deref().and_then(|p| file_at(catalog, p)))
+            .collect();
+        // The dataset's directory is where all its names are, readable or not: else a job
+        // that may not read some files would announce under another stream's name.
+        let root = (named.iter().flatten())
+            .map(|&f| catalog.entry(f).map_or(ROOT, |e| e.parent))
+            .reduce(|a, b| catalog.common_ancestor(a, b))
+            .unwrap_or(ROOT);
+        let files = self.readable_files(catalog, named, &paths, gone);
         let Some(files) = files else {
             self.release(paths.len());
             return Err(RequestError::Gone);
@@ -217,12 +227,6 @@ impl ControlSession {
             self.release(paths.len());
             return Err(RequestError::NoFiles(paths.len()));
         }
-        let catalog = &data.catalog;
-        let root = (files.iter())
-            .filter_map(|f| f.get())
-            .map(|f| catalog.entry(f).map_or(ROOT, |e| e.parent))
-            .reduce(|a, b| catalog.common_ancestor(a, b))
-            .unwrap_or(ROOT);
         self.registrations.push(Registered { files, root });
         let reply = Reply::ok().with("dataset", self.registrations.len() - 1);
         Ok(self.counted(reply, found))
@@ -254,17 +258,16 @@ impl ControlSession {
         }
     }
 
-    /// The file each of `paths` names, where it is one on this mount that the peer may read;
-    /// None if the client left meanwhile.
+    /// The files `named` (by `paths`) that the peer may read; None if the client left
+    /// meanwhile.
     fn readable_files(
         &self,
         catalog: &Catalog,
+        named: Vec<Option<FileId>>,
         paths: &[Option<String>],
         gone: &dyn Fn() -> bool,
     ) -> Option<Vec<MaybeFile>> {
-        let mut files: Vec<MaybeFile> = (paths.iter())
-            .map(|p| MaybeFile::new(p.as_deref().and_then(|p| file_at(catalog, p))))
-            .collect();
+        let mut files: Vec<MaybeFile> = named.into_iter().map(MaybeFile::new).collect();
         if self.privileged {
             return Some(files);
         }

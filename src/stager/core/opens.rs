@@ -33,6 +33,9 @@ impl<R> Core<R> {
         let predicted = self.in_predicted_stream(file);
         if predicted {
             self.track_predicted(file, now, effects);
+        } else if !self.tracker.generation().predicts() {
+            // Remembered among the recent opens: an order found from them takes them as read.
+            self.tracker.on_open(file);
         }
         if self.space.evict.contains(file) {
             self.space.evict.read(file, self.access_seq);

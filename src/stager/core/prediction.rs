@@ -91,11 +91,20 @@ impl<R> Core<R> {
         effects
     }
 
-    /// Takes `recent` opens as read where they are predicted from the cursor on (the opens
-    /// that led to a switch, placed at the first of them): staging goes on from the furthest.
-    pub fn replay(&mut self, recent: &[FileId]) {
-        self.tracker.replay(recent);
+    /// Follows an order found from the reader's opens, the reader at `pos` (where the first
+    /// of its recent opens is in that order): those opens are taken as read where the order
+    /// has them from there on, and staging goes on from the furthest.
+    pub fn adopt_found(
+        &mut self,
+        generation: Arc<Generation>,
+        pos: Position,
+        plan: Arc<EpochPlan>,
+    ) -> Effects<R> {
+        let recent = self.tracker.recent_files();
+        let effects = self.follow(generation, pos, vec![plan]);
+        self.tracker.replay(&recent);
         self.frontier = self.frontier.max(self.tracker.cursor());
+        effects
     }
 
     /// Moves the reader (and with it the frontier) to `pos`: `stagefs epoch`, or its place

@@ -313,6 +313,34 @@ fn opens_in_another_order_get_the_reader_lost_and_a_search_is_asked_for() {
     assert!(s.core.gauges(0, String::new()).hint.is_empty());
 }
 
+/// `--sampler auto`: the opens that let the order be found were read with nothing
+/// predicted; once it is found they count as read, and staging goes on after them.
+#[test]
+fn an_order_found_from_the_first_opens_takes_them_as_read() {
+    let mut s = Scene::new(400, 400, SamplerConfig::new(SamplerKind::Auto));
+    let found = Scene::new(400, 400, sampler(SamplerKind::TorchRandom, 0));
+    let stream = found.files(0);
+    for &file in &stream[..32] {
+        assert_eq!(s.open(file, 0), Open::Waiting);
+    }
+    let order = crate::plan::Order {
+        sampler: sampler(SamplerKind::TorchRandom, 0),
+        ranks: vec![0],
+        layout: s.core.generation().layout.clone(),
+    };
+    let prepared = s.plan.prepare(order, 0).unwrap();
+    let (generation, plan) = s.plan.adopt(prepared, true).unwrap();
+    let effects = s.core.adopt_found(generation, 0, plan);
+    s.take(effects);
+    assert_eq!(s.core.tracker().cursor(), 32);
+    // Staged from there on, in the order: the next opens hit.
+    s.copy_all();
+    for &file in &stream[32..100] {
+        assert_eq!(s.open(file, 0), Open::Hit);
+    }
+    assert_eq!(s.core.tracker().cursor(), 100);
+}
+
 /// A validation set read between epochs is another stream: served, counted under its own
 /// name, never judged against the training stream's prediction.
 #[test]

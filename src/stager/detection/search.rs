@@ -286,14 +286,8 @@ impl Inner {
         let Some((generation, plan)) = self.plan.adopt(prepared, true) else {
             return Ok(false);
         };
-        // Again under the lock: the opens since are the reader's too.
-        let recent = core.tracker().recent_files();
-        let effects = core.follow(
-            generation.clone(),
-            generation.join(epoch, first),
-            vec![plan],
-        );
-        core.replay(&recent);
+        // The recent opens again under the lock: the opens since are the reader's too.
+        let effects = core.adopt_found(generation.clone(), generation.join(epoch, first), plan);
         self.apply(core, effects);
         Ok(true)
     }
