@@ -1,7 +1,7 @@
 //! The node-local cache directory: whose it is, what is in it, and how files get there and
 //! back out safely.
 //!
-//! Layout (documented in the README):
+//! Layout (documented in docs/how-it-works.md):
 //! ```text
 //! CACHE/                 --cache: created 0700 if missing; otherwise the user's own private
 //!                        directory, holding nothing but stagefs/

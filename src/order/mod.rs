@@ -3,7 +3,7 @@
 //! local cache just ahead of the reads.
 //!
 //! The predictors re-implement the libraries' random number generators and shuffles bit for
-//! bit (see `access-order.md` in the shared docs; the golden vectors in
+//! bit (see `docs/access-order.md`; the golden vectors in
 //! `tests/data/golden/` are the ground truth). Everything here is pure computation, except
 //! reading an `--order-file`. Orders are computed one epoch at a time, never for a whole run.
 //! [`detect`] runs the predictors backwards: which sampler and seed produce a job's first opens.
