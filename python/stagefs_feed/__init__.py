@@ -523,8 +523,8 @@ def _next_epoch_indices(loader, sampler, batched):
     """The next epoch's indices where they follow from state the hook can copy, computed with
     every random state put back afterwards; else None:
 
-    - a sampler with ``set_epoch`` (DistributedSampler, Lightning's wrapper): a copy, one
-      epoch on;
+    - a sampler with ``set_epoch`` (DistributedSampler; not a subclass that iterates another
+      sampler, as Lightning's wrapper does): a copy, one epoch on;
     - a ``RandomSampler`` with its own generator (``DataLoader(shuffle=True, generator=g)``,
       the HF Trainer's): that generator goes on from where this epoch left it, after the
       loader's draw of its workers' base seed when it draws from the same generator.
