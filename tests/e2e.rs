@@ -1211,13 +1211,14 @@ fn detected(script: &str, args: &[&str], expected: &str, found_in: usize, min: &
     };
     let (lines, order, seen) = run_direct_first(work.path(), script, &launch, &data.root, &mount);
     let flags: Vec<&str> = expected.split_whitespace().collect();
-    let later = predicted(&data.root, &flags, FEED_EPOCHS - found_in, false);
+    // The order as found runs from epoch 0; the epochs before `found_in` were read before it.
+    let found = predicted(&data.root, &flags, FEED_EPOCHS, false);
     let per_epoch = order.len() / FEED_EPOCHS;
-    let predicted_order: Vec<String> = order[..found_in * per_epoch]
-        .iter()
-        .cloned()
-        .chain(later)
-        .collect();
+    let (before, after) = (
+        &order[..found_in * per_epoch],
+        &found[found_in * per_epoch..],
+    );
+    let predicted_order: Vec<String> = before.iter().chain(after).cloned().collect();
     check_run(
         script,
         &lines,
@@ -1248,7 +1249,7 @@ fn auto_finds_a_loader_generator() {
 #[test]
 fn auto_finds_a_loader_generator_with_persistent_workers() {
     let args = ["--stack", "loader", "--seed", "5", "--persistent"];
-    let flags = "--sampler torch-random --seed 5 --generator loader --persistent-workers --epoch 1";
+    let flags = "--sampler torch-random --seed 5 --generator loader --persistent-workers --epoch 0";
     detected("train_stacks.py", &args, flags, 1, &REFINED_HIT_RATIOS);
 }
 
@@ -1275,7 +1276,7 @@ fn auto_finds_a_numpy_permutation_per_epoch() {
 #[test]
 fn auto_finds_the_numpy_in_place_shuffle() {
     let args = ["--stack", "numpy", "--seed", "5"];
-    let flags = "--sampler numpy-inplace --seed 5 --epoch 1";
+    let flags = "--sampler numpy-inplace --seed 5 --epoch 0";
     detected("train_stacks.py", &args, flags, 1, &REFINED_HIT_RATIOS);
 }
 

@@ -42,7 +42,7 @@ impl Counters {
 
 /// How one epoch's opens went: how many there were and how many the prediction expected
 /// where they came (see `plan::Tracker`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpochQuality {
     pub epoch: u64,
     pub opens: u64,

@@ -95,6 +95,7 @@ def loaders(args, train, val):
     """The training loader (a function of the epoch) and the validation loader."""
     kw = dict(batch_size=args.batch_size, num_workers=args.workers, collate_fn=common.collate_digests)
     distributed = args.sampler in ("ddp", "wrapped")
+    place = {}
     if distributed and not args.no_sync:
         torch.distributed.init_process_group("gloo")
     if args.sampler == "global":
@@ -103,13 +104,18 @@ def loaders(args, train, val):
         del model
         sampler = RandomSampler(train)
     elif args.sampler == "ddp":
-        sampler = DistributedSampler(train, seed=args.seed)
+        # Without a process group (--no-sync) the sampler is told its place, as launchers do.
+        if not torch.distributed.is_initialized():
+            place = dict(num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]))
+        sampler = DistributedSampler(train, seed=args.seed, **place)
     elif args.sampler == "wrapped":
         torch.manual_seed(args.seed)
         sampler = WrappedDistributed(RandomSampler(train), seed=args.seed)
     else:
         raise SystemExit(f"unknown --sampler {args.sampler}")
-    val_sampler = DistributedSampler(val, shuffle=False) if distributed else SequentialSampler(val)
+    val_sampler = (
+        DistributedSampler(val, shuffle=False, **place) if distributed else SequentialSampler(val)
+    )
     train_loader = DataLoader(train, sampler=sampler, **kw)
     val_loader = DataLoader(val, sampler=val_sampler, **kw)
     return train_loader, sampler, val_loader

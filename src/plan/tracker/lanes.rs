@@ -56,10 +56,36 @@ impl Tracker {
         pos.saturating_sub(lead).max(self.cursor())
     }
 
+    /// How many lanes there are (one at least).
+    pub fn lane_count(&self) -> usize {
+        self.lanes.len().max(1)
+    }
+
+    /// Lane `lane`'s first unread position.
+    pub fn lane_cursor(&self, lane: usize) -> Position {
+        self.lanes[lane].cursor
+    }
+
+    /// The position after `pos` in its lane: `lanes` on, or the lane's first of the next
+    /// epoch past the end of `pos`'s epoch (its plan's end where it is planned shorter).
+    pub fn next_in_lane(&self, pos: Position) -> Position {
+        let lane = self.lane_of(pos);
+        let (epoch, offset) = self.generation.split(pos);
+        let len = self
+            .planned(epoch)
+            .map_or(self.generation.epoch_len, |plan| plan.len());
+        let lanes = self.lane_count() as u64;
+        if offset + lanes < len {
+            pos + lanes
+        } else {
+            self.generation.join(epoch + 1, lane as u64)
+        }
+    }
+
     /// Which lane `pos` belongs to.
-    pub(super) fn lane_of(&self, pos: Position) -> usize {
+    pub fn lane_of(&self, pos: Position) -> usize {
         let (_, offset) = self.generation.split(pos);
-        (offset % self.lanes.len().max(1) as u64) as usize
+        (offset % self.lane_count() as u64) as usize
     }
 
     pub(super) fn lane_at(&self, pos: Position) -> &Lane {
@@ -67,8 +93,8 @@ impl Tracker {
     }
 
     /// Lane `lane`'s first position at or after `pos`.
-    pub(super) fn align(&self, pos: Position, lane: usize) -> Position {
-        let lanes = self.lanes.len().max(1) as u64;
+    pub fn align(&self, pos: Position, lane: usize) -> Position {
+        let lanes = self.lane_count() as u64;
         let (epoch, offset) = self.generation.split(pos);
         let aligned = offset + (lane as u64 + lanes - offset % lanes) % lanes;
         if aligned >= self.generation.epoch_len {

@@ -113,6 +113,10 @@ pub struct Tracker {
     mispredictions: u64,
     /// Opens and predicted opens of the last few epochs, oldest first.
     quality: VecDeque<EpochQuality>,
+    /// Opens and predicted opens of the reader's epoch since this prediction was taken up
+    /// there (what [`doubts_epoch_start`](Self::doubts_epoch_start) judges: the misses that
+    /// led to a switch are not the new prediction's).
+    since_followed: EpochQuality,
 }
 
 /// Where one lane's reader is: its positions are `lane, lane + lanes, ...` of every epoch.
@@ -130,6 +134,7 @@ impl Tracker {
             recent_misses: 0,
             mispredictions: 0,
             quality: VecDeque::with_capacity(QUALITY_EPOCHS),
+            since_followed: EpochQuality::default(),
         };
         tracker.reset(0);
         tracker
@@ -156,6 +161,10 @@ impl Tracker {
             c.resize(words, 0);
         }
         self.place_lanes(pos);
+        self.since_followed = EpochQuality {
+            epoch,
+            ..EpochQuality::default()
+        };
         self.mode = if self.generation.predicts() {
             TrackerMode::Predicting
         } else {
@@ -308,10 +317,11 @@ impl Tracker {
     /// Whether the first opens of a later epoch of a detected order were mostly unpredicted
     /// (see [`EARLY_OPENS`]).
     fn doubts_epoch_start(&self) -> bool {
+        let q = &self.since_followed;
         self.generation.is_detected()
-            && self.quality.back().is_some_and(|q| {
-                q.epoch > 0 && q.opens <= EARLY_OPENS && q.opens - q.predicted >= EARLY_MISSES
-            })
+            && q.epoch > 0
+            && q.opens <= EARLY_OPENS
+            && q.opens - q.predicted >= EARLY_MISSES
     }
 
     /// Whether an open at `pos` is what the prediction expected: within reach ahead of its
@@ -336,6 +346,14 @@ impl Tracker {
         let q = self.quality.back_mut().expect("pushed above");
         q.opens += 1;
         q.predicted += u64::from(predicted);
+        if self.since_followed.epoch != epoch {
+            self.since_followed = EpochQuality {
+                epoch,
+                ..EpochQuality::default()
+            };
+        }
+        self.since_followed.opens += 1;
+        self.since_followed.predicted += u64::from(predicted);
     }
 
     /// Moves the tracker to `pos` (a resynchronisation result or `stagefs epoch`), every lane
@@ -375,27 +393,31 @@ impl Tracker {
         self.is_marked(pos)
     }
 
-    /// When `file` is next needed, as a position on the slowest lane's clock: its next unread
-    /// position in the planned epochs (the cursor's and the next) from its lane's cursor on,
-    /// less how far that lane runs ahead of the slowest. [`NEVER`] if it is not within them.
-    /// What the cache's eviction ranks files by.
+    /// When `file` is next needed, as a position on the slowest lane's clock: its
+    /// [`next_position`](Self::next_position) less how far that lane runs ahead of the
+    /// slowest. [`NEVER`] if there is none. What the cache's eviction ranks files by.
     pub fn next_use(&self, file: FileId) -> Position {
+        self.next_position(file)
+            .map_or(NEVER, |pos| self.on_slowest_clock(pos))
+    }
+
+    /// `file`'s next unread position in the planned epochs (the cursor's and the next) from
+    /// its lane's cursor on, while predicting.
+    pub fn next_position(&self, file: FileId) -> Option<Position> {
         if self.mode != TrackerMode::Predicting {
-            return NEVER;
+            return None;
         }
         for epoch in [self.base_epoch, self.base_epoch + 1] {
             // Only epochs planned already: an open never waits for (or pays for) a plan.
-            let Some(plan) = self.planned(epoch) else {
-                break;
-            };
+            let plan = self.planned(epoch)?;
             for &off in plan.offsets_of(file) {
                 let pos = self.generation.join(epoch, off as u64);
                 if pos >= self.lane_at(pos).cursor && !self.is_marked(pos) {
-                    return self.on_slowest_clock(pos);
+                    return Some(pos);
                 }
             }
         }
-        NEVER
+        None
     }
 
     fn remember(&mut self, file: FileId, matched: bool) {

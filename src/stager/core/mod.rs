@@ -11,11 +11,13 @@
 //!
 //! Per-file state: `Remote → Queued/Staging → Cached → (evicted) Remote`. The parts:
 //! `opens` (an open: streams, the tracker, hit or miss), `schedule` (the next copy: urgent
-//! files, then the frontier ahead of the reader, within the cache's room), `copied` (what a
+//! files, then the frontier ahead of the reader, within the cache's room), `frontier` (where
+//! staging ahead has got to, per lane, in the order eviction keeps), `copied` (what a
 //! copy's outcome does), `prediction` (a new generation, a new epoch's plan, the reader lost
 //! and found), `tick` (readers waiting too long, a pause ending, room coming back).
 
 mod copied;
+mod frontier;
 mod opens;
 mod prediction;
 mod schedule;
@@ -149,8 +151,9 @@ pub struct Core<R> {
     space: Space,
     /// Staged ahead and not opened since: evicting these is wasted staging.
     unread: HashSet<FileId>,
-    /// Where staging ahead has got to, and the bytes of the positions in [cursor, frontier).
-    frontier: Position,
+    /// Where staging ahead has got to in each lane (see [`frontier`]), and the bytes of the
+    /// positions between the cursors and the frontiers.
+    frontiers: Vec<Position>,
     ahead_bytes: u64,
     backoff: Backoff,
     /// Files whose source changed: never staged again by the frontier.
@@ -186,7 +189,7 @@ impl<R> Core<R> {
             waiters: Waiters::default(),
             urgent: VecDeque::new(),
             unread: HashSet::new(),
-            frontier: 0,
+            frontiers: Vec::new(),
             ahead_bytes: 0,
             backoff: Backoff::default(),
             changed: HashSet::new(),
@@ -197,6 +200,7 @@ impl<R> Core<R> {
             hint: None,
             streams: Streams::default(),
         };
+        core.place_frontiers(0);
         core.follow_stream();
         core
     }
@@ -262,7 +266,7 @@ impl<R> Core<R> {
             epoch,
             position,
             epoch_len,
-            frontier: self.frontier.saturating_sub(t.cursor()),
+            frontier: self.frontier().saturating_sub(t.cursor()),
             announced_ranks: Vec::new(),
             sampler: String::new(),
             prediction,

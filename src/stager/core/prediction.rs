@@ -77,7 +77,7 @@ impl<R> Core<R> {
             self.tracker.planned_epoch(plan);
         }
         self.tracker.reposition(pos);
-        self.frontier = self.tracker.cursor();
+        self.place_frontiers(self.tracker.cursor());
         self.ahead_bytes = 0;
         if self.tracker.mode() == TrackerMode::Predicting {
             self.rekey_all();
@@ -103,7 +103,7 @@ impl<R> Core<R> {
         let recent = self.tracker.recent_files();
         let effects = self.follow(generation, pos, vec![plan]);
         self.tracker.replay(&recent);
-        self.frontier = self.frontier.max(self.tracker.cursor());
+        self.catch_up_frontiers();
         effects
     }
 
@@ -111,7 +111,7 @@ impl<R> Core<R> {
     /// found again.
     pub fn reposition(&mut self, pos: Position) -> Effects<R> {
         self.tracker.reposition(pos);
-        self.frontier = self.tracker.cursor();
+        self.place_frontiers(self.tracker.cursor());
         self.ahead_bytes = 0;
         self.rekey_all();
         Effects {
@@ -160,7 +160,7 @@ impl<R> Core<R> {
                 let Some(file) = plan.file_at(off) else {
                     continue;
                 };
-                if pos + (off - offset) < self.frontier {
+                if self.behind_frontier(pos + (off - offset)) {
                     self.ahead_bytes = self.ahead_bytes.saturating_sub(self.size_of(file));
                 }
                 if self.space.evict.contains(file) {
@@ -170,10 +170,7 @@ impl<R> Core<R> {
             }
             pos += end;
         }
-        if self.frontier < to {
-            self.frontier = to;
-            self.ahead_bytes = 0;
-        }
+        self.catch_up_frontiers();
     }
 
     /// Every cached file keyed by its next use from where the reader is.

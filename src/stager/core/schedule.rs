@@ -1,13 +1,11 @@
-//! The next copy: urgent files first (a reader waits), then the staging frontier, which walks
-//! the predicted stream ahead of the slowest reader, bounded by the horizon (the reader's
-//! epoch and the next), the lookahead and the cache's room; and the room itself: a copy is
-//! made only if it fits or the eviction policy gives up a copy for it.
+//! The next copy: urgent files first (a reader waits), then the staging frontier (see
+//! [`frontier`](super::frontier)); and the room itself: a copy is made only if it fits or the
+//! eviction policy gives up a copy for it.
 
 use std::time::Instant;
 
 use super::{Answer, Core, Effects, FileState, Job, Wake};
 use crate::catalog::FileId;
-use crate::plan::{Position, TrackerMode};
 use crate::stats::Counters;
 
 impl<R> Core<R> {
@@ -56,8 +54,9 @@ impl<R> Core<R> {
         if !self.make_room(size, self.tracker.on_slowest_clock(pos), effects) {
             return None;
         }
-        self.frontier += 1;
-        self.ahead_bytes += size;
+        // Unless making room put it back (to a copy given up), the lane's frontier moves on;
+        // if it did, it walks over this position again and counts it then.
+        self.step_frontier_from(pos, size);
         self.files.set(file, FileState::Staging);
         self.space.reserved += size;
         Some(Job {
@@ -75,89 +74,6 @@ impl<R> Core<R> {
                     .victim(self.tracker.on_slowest_clock(pos))
                     .is_some()
         })
-    }
-
-    /// Moves the frontier over positions that need no copy (unservable, read already by a
-    /// rank running ahead, cached or under way, changed on the source, larger than the cache)
-    /// and returns the first that does, without taking it. Cheap when everything ahead is
-    /// cached, so an open can ask whether a worker is needed at all.
-    fn frontier_to_copy(&mut self, now: Instant) -> Option<(Position, FileId)> {
-        /// What is at the frontier.
-        enum At {
-            File(FileId),
-            Nothing,
-            EpochEnd(Position),
-        }
-        while self.frontier_open(now) {
-            let pos = self.frontier;
-            let at = {
-                let generation = self.tracker.generation();
-                let (epoch, offset) = generation.split(pos);
-                // An epoch not planned yet: the planner wakes the workers when it is.
-                let plan = self.tracker.planned(epoch)?;
-                match plan.file_at(offset) {
-                    // A fed epoch shorter than the epoch length: on to the next one at once.
-                    _ if offset >= plan.len() => At::EpochEnd(generation.join(epoch + 1, 0)),
-                    Some(file) if !self.tracker.is_read(pos) => At::File(file),
-                    _ => At::Nothing,
-                }
-            };
-            let file = match at {
-                At::File(file) => file,
-                At::Nothing => {
-                    self.frontier += 1;
-                    continue;
-                }
-                At::EpochEnd(next) => {
-                    self.frontier = next;
-                    continue;
-                }
-            };
-            let size = self.size_of(file);
-            let state = self.files.get(file);
-            if state != FileState::Remote
-                || self.changed.contains(&file)
-                || size > self.space.capacity
-            {
-                self.frontier += 1;
-                self.ahead_bytes += size;
-                continue;
-            }
-            return Some((pos, file));
-        }
-        None
-    }
-
-    /// Whether the frontier may take another position: predicting, not paused, and within the
-    /// horizon (the cursor's epoch and the next) and the lookahead.
-    fn frontier_open(&self, now: Instant) -> bool {
-        if self.tracker.mode() != TrackerMode::Predicting || self.backoff.paused(now) {
-            return false;
-        }
-        let cursor = self.tracker.cursor();
-        let generation = self.tracker.generation();
-        let (cursor_epoch, _) = generation.split(cursor);
-        self.frontier < generation.join(cursor_epoch + 2, 0)
-            && self.frontier - cursor < self.settings.lookahead_files
-            && self.ahead_bytes < self.settings.lookahead_bytes
-    }
-
-    /// Puts the frontier back to `pos` so a failed prefetch is retried once the source is back.
-    pub(super) fn rewind_frontier(&mut self, pos: Position) {
-        let cursor = self.tracker.cursor();
-        if pos >= self.frontier || pos < cursor {
-            return;
-        }
-        self.frontier = pos;
-        // Positions behind the frontier are planned: it only moves over planned epochs.
-        let generation = self.tracker.generation().clone();
-        self.ahead_bytes = (cursor..pos)
-            .filter_map(|p| {
-                let (epoch, offset) = generation.split(p);
-                self.tracker.planned(epoch)?.file_at(offset)
-            })
-            .map(|f| self.size_of(f))
-            .sum();
     }
 
     /// Evicts copies the policy gives up for a file needed at `needed_at` until `bytes` more
@@ -189,6 +105,12 @@ impl<R> Core<R> {
             Counters::add(&self.counters.wasted_bytes, self.size_of(file));
         }
         effects.unlink.push(file);
+        // Needed before the frontier: lanes' clocks differ from the order the frontier walks
+        // (a rank ahead reads its positions sooner), so the frontier does not come back to it
+        // by itself, and its reader would miss.
+        if let Some(pos) = self.tracker.next_position(file) {
+            self.rewind_frontier(pos);
+        }
         self.forget_cached(file);
         Counters::add(&self.counters.evictions, 1);
     }

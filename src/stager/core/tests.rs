@@ -65,10 +65,20 @@ impl Scene {
         )
     }
 
+    /// [`Scene::new`] for the local `ranks` of a distributed sampler (a lane each).
+    fn of_ranks(files: u32, capacity_files: u64, sampler: SamplerConfig, ranks: Vec<u32>) -> Scene {
+        let settings = settings(capacity_files, EvictionKind::Belady);
+        Scene::of(files, sampler, ranks, settings)
+    }
+
     fn with(files: u32, sampler: SamplerConfig, settings: StagerSettings) -> Scene {
+        Scene::of(files, sampler, vec![0], settings)
+    }
+
+    fn of(files: u32, sampler: SamplerConfig, ranks: Vec<u32>, settings: StagerSettings) -> Scene {
         let catalog = Arc::new(Catalog::flat(&vec![SIZE; files as usize]));
         let layout = Arc::new(Layout::of_files((1..=files).collect()));
-        let plan = Plan::new(sampler, vec![0], layout, catalog.len()).unwrap();
+        let plan = Plan::new(sampler, ranks, layout, catalog.len()).unwrap();
         let counters = Arc::new(Counters::default());
         let core = Core::new(catalog, plan.generation(), settings, counters.clone());
         let mut scene = Scene {
@@ -341,6 +351,37 @@ fn an_order_found_from_the_first_opens_takes_them_as_read() {
     assert_eq!(s.core.tracker().cursor(), 100);
 }
 
+/// A detected order whose later epoch starts wrong (a variant the first epoch could not tell
+/// apart) is switched for the right one there: the misses that led to the switch are not held
+/// against the new order.
+#[test]
+fn a_variant_switched_to_at_an_epoch_start_is_not_doubted_for_the_old_one_s_misses() {
+    let mut s = Scene::new(4000, 400, SamplerConfig::new(SamplerKind::Auto));
+    let detect = |s: &mut Scene, seed, pos: u64| {
+        let order = crate::plan::Order {
+            sampler: sampler(SamplerKind::TorchRandom, seed),
+            ranks: vec![0],
+            layout: s.core.generation().layout.clone(),
+        };
+        let prepared = s.plan.prepare(order, 1).unwrap();
+        let (generation, plan) = s.plan.adopt(prepared, true).unwrap();
+        let effects = s.core.adopt_found(generation, pos, plan);
+        s.take(effects);
+    };
+    let epoch1 = 4000;
+    detect(&mut s, 3, epoch1);
+    let right = Scene::new(4000, 400, sampler(SamplerKind::TorchRandom, 4)).files(1);
+    for &file in &right[..20] {
+        s.open(file, 0);
+    }
+    assert_eq!(s.core.tracker().mode(), TrackerMode::Lost);
+    detect(&mut s, 4, epoch1);
+    for &file in &right[20..40] {
+        s.open(file, 0);
+    }
+    assert_eq!(s.core.tracker().mode(), TrackerMode::Predicting);
+}
+
 /// A validation set read between epochs is another stream: served, counted under its own
 /// name, never judged against the training stream's prediction.
 #[test]
@@ -456,4 +497,33 @@ fn a_reused_copy_is_verified_before_it_is_served() {
     assert_eq!(s.core.file_state(5), FileState::Cached);
     assert_eq!(s.core.file_state(6), FileState::Remote);
     assert_eq!(s.count(&s.counters.reused_files), 2);
+}
+
+#[test]
+fn ranks_apart_hit_every_open_through_a_small_cache_and_waste_little() {
+    // Two local ranks of a DistributedSampler (lanes), rank 1 `lag` of its opens behind
+    // rank 0, through a cache of 30% of the files, copies made at once.
+    for lag in [3, 200] {
+        let mut cfg = sampler(SamplerKind::TorchDistributed, 0);
+        cfg.world_size = 2;
+        let mut s = Scene::of_ranks(2000, 600, cfg, vec![0, 1]);
+        let order: Vec<FileId> = (0..3).flat_map(|epoch| s.files(epoch)).collect();
+        let rank = |r: usize| order.iter().copied().skip(r).step_by(2).collect::<Vec<_>>();
+        let (first, second) = (rank(0), rank(1));
+        let mut opens = Vec::new();
+        for i in 0..first.len() + lag {
+            opens.extend(first.get(i));
+            opens.extend(i.checked_sub(lag).and_then(|j| second.get(j)));
+        }
+        s.copy_all();
+        for file in opens {
+            assert_eq!(s.open(file, 0), Open::Hit, "lag {lag}");
+            s.copy_all();
+        }
+        let wasted = s.count(&s.counters.wasted_bytes) / SIZE;
+        assert!(
+            wasted < 200,
+            "lag {lag}: {wasted} copies staged for nothing"
+        );
+    }
 }
