@@ -237,9 +237,15 @@ impl Detector {
         // opens alone can fail where they are a share of a sharded order (accelerate deals
         // a RandomSampler's batches out to the ranks). So the first search waits for every
         // local rank the launcher names, a little while.
+        self.next_round(&mut ob)
+    }
+
+    /// The next round's search, if it is due (see [`rounds`](Self::rounds)) and none runs.
+    fn next_round(&self, ob: &mut Observed) -> Option<Search> {
+        let busiest = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
         let local_ranks = ob.launch.local.map_or(1, |(_, size)| size as usize);
         let all_ranks_in = ob.by_rank.len() >= local_ranks || busiest >= 4 * detect::MIN_OPENS;
-        let rounds = self.rounds(&ob);
+        let rounds = self.rounds(ob);
         let due = rounds.get(ob.searches_done)? <= &busiest && all_ranks_in;
         if !due || ob.searching {
             return None;
@@ -247,7 +253,7 @@ impl Detector {
         ob.searching = true;
         ob.searches_done += 1;
         ob.restarts = 0;
-        Some(self.search_of(&ob, ob.searches_done == rounds.len()))
+        Some(self.search_of(ob, ob.searches_done == rounds.len()))
     }
 
     /// The busiest rank's opens at which each round searches: [`SEARCH_AT`], the last no
@@ -304,16 +310,33 @@ impl Detector {
         candidates(self.datasets.catalog(), &ob.by_root)
     }
 
-    /// A search ended without a result: after the last round, the detection ends saying `why`.
-    fn not_found(&self, why: String) {
+    /// A search ended without a result: after the last round, the detection ends saying `why`;
+    /// else the next round if it fell due meanwhile (the opens it waits for may all have
+    /// come: the epoch's last, with no open after it until the next epoch).
+    fn not_found(&self, why: String) -> Option<Search> {
         let mut ob = self.observed.lock();
         ob.searching = false;
+        if let Some(next) = self.next_round(&mut ob) {
+            return Some(next);
+        }
         if ob.searches_done >= self.rounds(&ob).len() && ob.state != DetectionState::Announced {
             let opens = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
             drop(ob);
             log::warn!("--sampler auto: order not found: {why}");
             self.finish(DetectionState::NotFound { opens, why });
         }
+        None
+    }
+
+    /// No search can run at all: the detection ends saying `why`.
+    fn cannot_search(&self, why: String) {
+        let opens = {
+            let mut ob = self.observed.lock();
+            ob.searching = false;
+            ob.by_rank.values().map(Vec::len).max().unwrap_or(0)
+        };
+        log::warn!("--sampler auto: order not found: {why}");
+        self.finish(DetectionState::NotFound { opens, why });
     }
 
     /// The opens of a later epoch follow a variant of what was found.
@@ -409,6 +432,29 @@ mod tests {
                 why: "nothing".into()
             }
         );
+    }
+
+    /// A round that fell due while the one before searched runs as that one ends: the epoch's
+    /// last open may be the last for a while (validation, or the job's end).
+    #[test]
+    fn a_round_due_during_a_search_runs_when_it_ends() {
+        let (_dir, d, files) = detector(900);
+        let mut due = Vec::new();
+        for (i, &f) in files.iter().enumerate() {
+            if d.observe(f, JobRank::ALONE, 1).is_some() {
+                due.push(i + 1);
+            }
+        }
+        assert_eq!(due, [32], "one search at a time");
+        let second = d.not_found("nothing".into()).expect("the second round");
+        assert!(!second.last);
+        let last = d.not_found("nothing".into()).expect("the last round");
+        assert!(last.last);
+        assert!(d.not_found("nothing".into()).is_none());
+        assert!(matches!(
+            d.state(),
+            DetectionState::NotFound { opens: 900, .. }
+        ));
     }
 
     /// A job of 900 opens an epoch gets its verdict within its first epoch, not after 4,096.

@@ -68,7 +68,7 @@ impl Inner {
             .name("stage-detect".into())
             .spawn(move || inner.search(search));
         if let Err(e) = spawned {
-            detector.not_found(format!("cannot start the order search: {e}"));
+            detector.cannot_search(format!("cannot start the order search: {e}"));
         }
     }
 
@@ -108,7 +108,15 @@ impl Inner {
             );
             return self.clone().search(again);
         }
-        detector.not_found(self.why_not_found(&search, &verdicts, in_order.is_some()));
+        let why = self.why_not_found(&search, &verdicts, in_order.is_some());
+        self.not_found(detector, why);
+    }
+
+    /// Ends a search without a result: the next round runs now if it fell due meanwhile.
+    fn not_found(self: &Arc<Self>, detector: &Detector, why: String) {
+        if let Some(next) = detector.not_found(why) {
+            self.clone().search(next);
+        }
     }
 
     fn log_search(&self, search: &Search, started: std::time::Instant) {
@@ -211,10 +219,11 @@ impl Inner {
             // The job announces its order (which ended the detection): that takes precedence.
             Ok(false) if !detector.is_active() => {}
             // The prediction moved meanwhile (`stagefs epoch`): the next search judges again.
-            Ok(false) => detector.not_found(format!(
-                "found {flags}, but the prediction changed meanwhile"
-            )),
-            Err(e) => detector.not_found(format!("found {flags} but cannot follow it: {e}")),
+            Ok(false) => self.not_found(
+                detector,
+                format!("found {flags}, but the prediction changed meanwhile"),
+            ),
+            Err(e) => self.not_found(detector, format!("found {flags} but cannot follow it: {e}")),
         }
     }
 
