@@ -1690,19 +1690,26 @@ fn auto_says_why_it_cannot_find_an_order_within_the_first_epoch() {
     let mount = split.mount(work.path(), &[]);
     let args = ["--sampler", "global", "--seed", "5"];
     let at = split_job(work.path(), &split, &mount, &args, Vec::new());
-    // Searches run on a thread: the verdict may come moments after the epoch's last open.
+    // Searches run on a thread, slower on a busy machine: the verdict may come after the
+    // epoch's last open, but it judges that epoch's opens, not the 4,096 a search needs at most.
     let said = |s: &Value| {
         s["prediction"]
             .as_str()
             .unwrap_or("")
             .starts_with("auto: not found")
     };
-    let first_epoch = &at[1];
     assert!(
-        said(first_epoch) || wait_for(Duration::from_secs(10), || said(&mount.stats())),
-        "no verdict by the end of epoch 0: {first_epoch}"
+        wait_for(Duration::from_secs(120), || said(&mount.stats())),
+        "no verdict: {}",
+        mount.stats()
     );
     let prediction = mount.stats()["prediction"].as_str().unwrap().to_string();
+    let first_epoch = format!("from the first {SPLIT_TRAIN_FILES} opens");
+    assert!(
+        prediction.contains(&first_epoch),
+        "the verdict judges the first epoch: {prediction}; at its end: {}",
+        at[1]
+    );
     for told in ["train", "global generator", "feed-env"] {
         assert!(
             prediction.contains(told),
@@ -1774,9 +1781,10 @@ fn the_hook_follows_a_wrapped_distributed_sampler() {
     mount.unmount();
 }
 
-/// Two ranks launched without gradient sync, one slower: they drift apart by hundreds of
-/// samples. Each is followed on its own: the training stream stays predicted and hit, and
-/// little staged is thrown away.
+/// Two ranks launched without gradient sync, one a fifth slower: they drift apart by hundreds
+/// of samples (half an epoch by the end). Each is followed on its own: the training stream
+/// stays predicted and hit, and little staged is thrown away. (A rank more than an epoch
+/// ahead of the slowest waits for it in the tracker: docs/limits.md.)
 #[test]
 fn ranks_that_drift_apart_keep_their_hits() {
     require_fuse();
@@ -1799,8 +1807,10 @@ fn ranks_that_drift_apart_keep_their_hits() {
         "--sampler",
         "ddp",
         "--no-sync",
+        "--compute-ms",
+        "100",
         "--slow-ms",
-        "60",
+        "20",
         "--seed",
         "0",
     ];

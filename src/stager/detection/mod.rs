@@ -246,14 +246,15 @@ impl Detector {
         let local_ranks = ob.launch.local.map_or(1, |(_, size)| size as usize);
         let all_ranks_in = ob.by_rank.len() >= local_ranks || busiest >= 4 * detect::MIN_OPENS;
         let rounds = self.rounds(ob);
-        let due = rounds.get(ob.searches_done)? <= &busiest && all_ranks_in;
-        if !due || ob.searching {
+        // Rounds that fell due during a long search are one round now: the latest.
+        let due = rounds.iter().filter(|&&at| at <= busiest).count();
+        if due <= ob.searches_done || !all_ranks_in || ob.searching {
             return None;
         }
         ob.searching = true;
-        ob.searches_done += 1;
+        ob.searches_done = due;
         ob.restarts = 0;
-        Some(self.search_of(ob, ob.searches_done == rounds.len()))
+        Some(self.search_of(ob))
     }
 
     /// The busiest rank's opens at which each round searches: [`SEARCH_AT`], the last no
@@ -285,22 +286,25 @@ impl Detector {
             return None;
         }
         ob.restarts += 1;
-        let last = ob.searches_done == self.rounds(&ob).len();
-        Some(self.search_of(&ob, last))
+        Some(self.search_of(&ob))
     }
 
-    /// A search of the opens so far, in round `searches_done`.
-    fn search_of(&self, ob: &Observed, last: bool) -> Search {
+    /// A search of the opens so far, in round `searches_done`: of each rank's, those of the
+    /// first epoch at most (the last round's), which is what an order is found from; later
+    /// ones only slow the search down (a round that ran late, after a slow one).
+    fn search_of(&self, ob: &Observed) -> Search {
         self.give_up.store(false, Ordering::Relaxed);
+        let rounds = self.rounds(ob);
+        let first_epoch = rounds.last().copied().unwrap_or(KEPT_OPENS);
         Search {
             launch: ob.launch,
             opens: ob
                 .by_rank
                 .iter()
-                .map(|(&rank, files)| (rank, files.clone()))
+                .map(|(&rank, files)| (rank, files[..files.len().min(first_epoch)].to_vec()))
                 .collect(),
             previous: ob.searches_done.checked_sub(2).map_or(0, |i| SEARCH_AT[i]),
-            last,
+            last: ob.searches_done == rounds.len(),
         }
     }
 
@@ -320,7 +324,8 @@ impl Detector {
             return Some(next);
         }
         if ob.searches_done >= self.rounds(&ob).len() && ob.state != DetectionState::Announced {
-            let opens = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
+            let busiest = ob.by_rank.values().map(Vec::len).max().unwrap_or(0);
+            let opens = busiest.min(self.rounds(&ob).last().copied().unwrap_or(busiest));
             drop(ob);
             log::warn!("--sampler auto: order not found: {why}");
             self.finish(DetectionState::NotFound { opens, why });
@@ -434,8 +439,9 @@ mod tests {
         );
     }
 
-    /// A round that fell due while the one before searched runs as that one ends: the epoch's
-    /// last open may be the last for a while (validation, or the job's end).
+    /// A round that fell due while the one before searched runs as that one ends (the epoch's
+    /// last open may be the last for a while: validation, or the job's end); of several, only
+    /// the latest, and it judges the first epoch's opens.
     #[test]
     fn a_round_due_during_a_search_runs_when_it_ends() {
         let (_dir, d, files) = detector(900);
@@ -446,10 +452,14 @@ mod tests {
             }
         }
         assert_eq!(due, [32], "one search at a time");
-        let second = d.not_found("nothing".into()).expect("the second round");
-        assert!(!second.last);
+        // The next epoch's opens come meanwhile.
+        for &f in &files[..100] {
+            assert!(d.observe(f, JobRank::ALONE, 1).is_none());
+        }
+        // The rounds due at 256 and 900 opens: one round, the last, of the first epoch's.
         let last = d.not_found("nothing".into()).expect("the last round");
         assert!(last.last);
+        assert_eq!(last.opens[0].1, files);
         assert!(d.not_found("nothing".into()).is_none());
         assert!(matches!(
             d.state(),
