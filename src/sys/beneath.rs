@@ -166,8 +166,10 @@ fn open_walking(dir: BorrowedFd<'_>, relative: &Path, flags: i32) -> io::Result<
     }
 }
 
-/// The names in directory `dir` (opened for reading), without `.` and `..`.
-pub fn list_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
+/// Reads the entries of directory `dir` (opened for reading), `.` and `..` left out: `each`
+/// gets every name with its `d_type` (`DT_UNKNOWN` where the file system does not say), in the
+/// order the file system gives them.
+pub fn read_entries(dir: BorrowedFd<'_>, mut each: impl FnMut(OsString, u8)) -> io::Result<()> {
     // SAFETY: dup of a descriptor we borrow; fdopendir below takes the copy.
     let copy = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
     if copy < 0 {
@@ -184,7 +186,6 @@ pub fn list_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
     // From the start, whatever an earlier listing through another copy left.
     // SAFETY: a valid stream.
     unsafe { libc::rewinddir(stream) };
-    let mut names = Vec::new();
     let result = loop {
         // SAFETY: errno is thread-local; readdir reports errors only through it.
         unsafe { *libc::__errno_location() = 0 };
@@ -198,14 +199,34 @@ pub fn list_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
         }
         // SAFETY: readdir returned an entry whose d_name is NUL-terminated, valid until the
         // next call on this stream.
-        let name = unsafe { std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()) }.to_bytes();
+        let (name, kind) = unsafe {
+            let e = &*entry;
+            (
+                std::ffi::CStr::from_ptr(e.d_name.as_ptr()).to_bytes(),
+                e.d_type,
+            )
+        };
         if name != b"." && name != b".." {
-            names.push(OsString::from_vec(name.to_vec()));
+            each(OsString::from_vec(name.to_vec()), kind);
         }
     };
     // SAFETY: the stream is ours; closing it closes `copy`.
     unsafe { libc::closedir(stream) };
-    result.map(|()| names)
+    result
+}
+
+/// `lstat` of `relative` beneath `dir`, reached as [`open_beneath`] reaches it: through no
+/// symlink, not above `dir` (ELOOP, EXDEV); a link in the last component is described, not
+/// followed.
+pub fn lstat_beneath(dir: BorrowedFd<'_>, relative: &Path) -> io::Result<libc::stat> {
+    let node = open_beneath(dir, relative, libc::O_PATH)?;
+    lstat_at(node.as_fd(), OsStr::new(""))
+}
+
+/// The target of the symlink at `relative` beneath `dir`, reached as [`lstat_beneath`] does.
+pub fn readlink_beneath(dir: BorrowedFd<'_>, relative: &Path) -> io::Result<OsString> {
+    let link = open_beneath(dir, relative, libc::O_PATH)?;
+    readlink_at(link.as_fd(), OsStr::new(""))
 }
 
 /// `lstat` of `name` in directory `dir` (a symlink is described, not followed); an empty
@@ -222,8 +243,9 @@ pub fn lstat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<libc::stat> {
     Ok(st)
 }
 
-/// The target of symlink `name` in directory `dir`.
-pub fn readlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OsString> {
+/// The target of symlink `name` in directory `dir` (an empty name: the link `dir` itself, opened
+/// with `O_PATH`).
+fn readlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OsString> {
     let c = c_path(Path::new(name))?;
     let mut buf = vec![0u8; PATH_MAX];
     // SAFETY: a valid directory fd, a NUL-terminated name and a buffer of the length given.
@@ -291,6 +313,12 @@ mod tests {
         relative
     }
 
+    fn names(dir: BorrowedFd<'_>) -> Vec<OsString> {
+        let mut names = Vec::new();
+        read_entries(dir, |name, _| names.push(name)).unwrap();
+        names
+    }
+
     #[test]
     fn paths_longer_than_path_max_open_in_pieces() {
         let tmp = tempfile::tempdir().unwrap();
@@ -302,10 +330,7 @@ mod tests {
         io::Read::read_to_string(&mut std::fs::File::from(file), &mut content).unwrap();
         assert_eq!(content, "deep");
         let dir = open_beneath(root.as_fd(), &bottom, libc::O_RDONLY | libc::O_DIRECTORY);
-        assert_eq!(
-            list_names(dir.unwrap().as_fd()).unwrap(),
-            vec![OsString::from("f")]
-        );
+        assert_eq!(names(dir.unwrap().as_fd()), vec![OsString::from("f")]);
         // Every piece is beneath the one before: a link on the way is still refused.
         let mut middle = bottom.clone();
         for _ in 0..10 {
@@ -354,13 +379,21 @@ mod tests {
             libc::O_RDONLY | libc::O_DIRECTORY,
         )
         .unwrap();
-        let mut names = list_names(dir.as_fd()).unwrap();
-        names.sort();
-        assert_eq!(names, vec![OsString::from("a"), OsString::from("l")]);
+        let mut entries = Vec::new();
+        read_entries(dir.as_fd(), |name, kind| entries.push((name, kind))).unwrap();
+        entries.sort();
+        assert_eq!(
+            entries,
+            vec![
+                (OsString::from("a"), libc::DT_REG),
+                (OsString::from("l"), libc::DT_LNK)
+            ]
+        );
         assert_eq!(lstat_at(dir.as_fd(), OsStr::new("a")).unwrap().st_size, 3);
-        let link = lstat_at(dir.as_fd(), OsStr::new("l")).unwrap();
+        let root = open_directory(tmp.path()).unwrap();
+        let link = lstat_beneath(root.as_fd(), Path::new("l")).unwrap();
         assert_eq!(link.st_mode & libc::S_IFMT, libc::S_IFLNK);
-        assert_eq!(readlink_at(dir.as_fd(), OsStr::new("l")).unwrap(), "a");
+        assert_eq!(readlink_beneath(root.as_fd(), Path::new("l")).unwrap(), "a");
         let itself = lstat_at(dir.as_fd(), OsStr::new("")).unwrap();
         assert_eq!(itself.st_mode & libc::S_IFMT, libc::S_IFDIR);
     }

@@ -209,7 +209,8 @@ fn a_reader_waiting_for_a_copy_is_answered_when_it_is_done() {
         job,
         Job {
             file,
-            position: None
+            position: None,
+            has_room: true,
         }
     );
     s.now += Duration::from_millis(30);
