@@ -127,7 +127,10 @@ fn a_file_first_used_after_a_change_is_seen_as_it_is_then() {
         fs::read(m.mnt.join("c0/f0.jpg")).unwrap(),
         b"a longer rewrite of c0/f0"
     );
-    for (file, wanted) in [("c1/f1.jpg", "No such file"), ("c0/f2.jpg", "Stale file handle")] {
+    for (file, wanted) in [
+        ("c1/f1.jpg", "No such file"),
+        ("c0/f2.jpg", "Stale file handle"),
+    ] {
         let (ok, _, stderr, _) = cat(&m.mnt.join(file));
         assert!(!ok && stderr.contains(wanted), "{file}: {stderr}");
     }

@@ -126,11 +126,7 @@ pub fn walk<E: Send + 'static>(
 }
 
 /// One thread: visits what is pending until nothing is, or the walk is over.
-fn work<E>(
-    shared: &Shared<E>,
-    slot: usize,
-    visit: &Visit<E>,
-) {
+fn work<E>(shared: &Shared<E>, slot: usize, visit: &Visit<E>) {
     loop {
         let path = {
             let mut q = shared.queue.lock();
