@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use stagefs::cache::CacheDir;
-use stagefs::catalog::{Catalog, Datasets, LayoutSpec, ROOT};
+use stagefs::catalog::{Attributes, Catalog, Datasets, LayoutSpec, ROOT, Walking};
 use stagefs::order::{SamplerConfig, SamplerKind};
 use stagefs::plan::{Plan, TrackerSettings};
 use stagefs::stager::{EvictionKind, Source, Stager, StagerSettings};
@@ -37,6 +37,12 @@ struct OneFile(PathBuf);
 impl Source for OneFile {
     fn open(&self, _path: &Path) -> io::Result<File> {
         File::open(&self.0)
+    }
+
+    fn lstat(&self, _path: &Path) -> io::Result<Attributes> {
+        Ok(Attributes::of_metadata(&std::fs::symlink_metadata(
+            &self.0,
+        )?))
     }
 }
 
@@ -65,7 +71,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let one = one_byte_file(dir.path());
     let root = PathBuf::from("/synthetic/imagenet");
-    let (datasets, plan) = imagenet_plan(&root, files, local_ranks, &one);
+    let (datasets, plan) = imagenet_plan(&root, files, local_ranks);
     let share = plan.generation().epoch_len;
     println!("{files} files; this node: {local_ranks} ranks of 64, {share} opens per epoch");
 
@@ -93,40 +99,19 @@ fn main() {
     stager.shutdown();
 }
 
-/// The catalog's mtime of every file.
-const MTIME_SECS: i64 = 1_600_000_000;
-
-/// The one-byte file every source path is, with the catalog's mtime (to the nanosecond: or
-/// every copy would count as a changed source).
+/// The one-byte file every source path is.
 fn one_byte_file(dir: &Path) -> PathBuf {
     let one = dir.join("one-byte");
     std::fs::write(&one, b"x").unwrap();
-    File::options()
-        .write(true)
-        .open(&one)
-        .unwrap()
-        .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(MTIME_SECS as u64))
-        .unwrap();
     one
 }
 
-/// A synthetic ImageFolder of `files` files over 1,000 classes at `root`, each the file `one`
-/// as far as the stager's checks can tell, and the plan of `local_ranks` ranks of a
-/// torch-distributed world of 64 over it.
-fn imagenet_plan(
-    root: &Path,
-    files: u64,
-    local_ranks: u32,
-    one: &Path,
-) -> (Arc<Datasets>, Arc<Plan>) {
-    let tree = Synthetic {
-        files,
-        classes: 1_000,
-        size_of: |_| 1,
-        mtime_secs: MTIME_SECS,
-        identity: stagefs::catalog::identity(&std::fs::metadata(one).unwrap()),
-    };
-    let catalog = Arc::new(Catalog::scan_with(root, &tree, 2).unwrap());
+/// A synthetic ImageFolder of `files` files over 1,000 classes at `root` (each file the one
+/// [`OneFile`] opens), and the plan of `local_ranks` ranks of a torch-distributed world of 64
+/// over it.
+fn imagenet_plan(root: &Path, files: u64, local_ranks: u32) -> (Arc<Datasets>, Arc<Plan>) {
+    let tree = Arc::new(Synthetic::imagenet_like(files, 1_000));
+    let catalog = Arc::new(Catalog::scan_with(root, tree, Walking::threads(2)).unwrap());
     let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
     let layout = datasets.get(ROOT).unwrap();
     let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);

@@ -48,6 +48,16 @@
 #   STAGEFS=                          the stagefs binary (default: installed one, else PATH)
 #   ON_FAILURE=continue               or drain (below)
 #   LOG=syslog                        where messages go besides stderr: syslog, a file, or empty
+#   INDEX=                            the job's listing of SOURCE, on a file system all its nodes
+#                                     share (e.g. /shared/stagefs/%j.index or %w/.stagefs-%j.index)
+#   INDEX_WAIT=120                    seconds the other nodes wait for it (see One listing)
+#
+# One listing per job. Each node's mount lists SOURCE's directories (one request per directory
+# to SOURCE's metadata server, none per file). With INDEX set, node 0 lists SOURCE once into
+# that file (`stagefs index`, as the job's user) and every node's mount starts from it
+# (`--index`), which asks SOURCE one `lstat` per directory. A node that does not find the file
+# within INDEX_WAIT seconds (node 0 failed, or INDEX is not shared), or whose mount refuses it
+# (a file another user put there), lists SOURCE itself. The epilog on node 0 removes it.
 #
 # Failure. When a Prolog fails, Slurm drains the node and holds the job. A job's typo (a wrong
 # source path) should not take a node out of service, so by default (ON_FAILURE=continue) the
@@ -75,12 +85,14 @@ created=()     # directories this run made, parents first
 cache_made=""  # the cache directory, if this run made it
 give_back=""   # the mountpoint's owner before this run, to restore
 state_written="" # the state file for the epilog exists
+index_written="" # the job's index, if this node wrote it
 # Reports an error, removes what this run created, and exits as ON_FAILURE says.
 fail() {
   warn "job ${SLURM_JOB_ID:-?}: $*; no dataset mounted"
   [ -z "$cache_made" ] || rm -rf --one-file-system -- "$cache_made"
   [ -z "$give_back" ] || chown "$give_back" -- "$mnt"
   [ -z "$state_written" ] || rm -f -- "$state"
+  [ -z "$index_written" ] || as_job_user rm -f -- "$index_written"
   local i
   for ((i = ${#created[@]} - 1; i >= 0; i--)); do
     rmdir -- "${created[i]}" 2>/dev/null
@@ -146,6 +158,34 @@ make_dir() {
 
 is_count() {
   [[ $1 =~ ^[0-9]+$ ]] && [ "$1" -gt 0 ]
+}
+
+# Sets `index` to the job's listing of SOURCE if this node is to start from it (see One
+# listing): node 0 writes it, the others wait for it. Empty when the job has none.
+job_index() {
+  index=""
+  [ -n "$conf_INDEX" ] || return 0
+  local path said waited=0
+  path=$(expand_pattern "$conf_INDEX") || fail "bad INDEX"
+  if [ "$node" -eq 0 ]; then
+    if said=$(as_job_user "$stagefs" index "$req_SOURCE" -o "$path" 2>&1 >/dev/null); then
+      index=$path
+      index_written=$path
+    else
+      warn "job $SLURM_JOB_ID: cannot write the job's index $path (${said##*$'\n'}); every node lists SOURCE itself"
+    fi
+    return 0
+  fi
+  is_count "$conf_INDEX_WAIT" || conf_INDEX_WAIT=0
+  until as_job_user test -f "$path"; do
+    if [ "$waited" -ge "$conf_INDEX_WAIT" ]; then
+      warn "job $SLURM_JOB_ID: no index $path from node 0 after ${waited}s; listing SOURCE here"
+      return 0
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  index=$path
 }
 
 load_slurm_config || fail "bad configuration"
@@ -235,21 +275,34 @@ write_state() {
     printf 'CACHE_DIR=%s\n' "$cache"
     printf 'JOB_UID=%s\nJOB_GID=%s\nJOB_USER=%s\n' "$job_uid" "$job_gid" "$job_user"
     printf 'MOUNTPOINT_MADE=%s\nCACHE_PARENT_MADE=%s\n' "$mnt_made" "$cache_parent_made"
+    printf 'INDEX_FILE=%s\n' "$index_written"
   } >"$state.tmp" && mv -f -- "$state.tmp" "$state"
 }
+job_index
 write_state || fail "cannot write $state"
 state_written=1
 
-set -f # the options are words, not globs
-# stagefs's own message (why it refused) goes where the prolog's messages go (see LOG). The
-# detached daemon's output is /dev/null, so this returns when `stagefs mount` does.
-# shellcheck disable=SC2086 # OPTIONS are split into words on purpose
-if ! said=$(as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
-  --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
-  $site_options $job_options 2>&1 >/dev/null); then
+# Mounts with the arguments given besides the job's request. stagefs's own message (why it
+# refused) is printed, to go where the prolog's messages go (see LOG). The detached daemon's
+# output is /dev/null, so this returns when `stagefs mount` does.
+mount_dataset() {
+  set -f # the options are words, not globs
+  # shellcheck disable=SC2086,SC2069 # OPTIONS are split into words on purpose; stderr is
+  # what is printed, stdout goes
+  as_job_user "$stagefs" mount "$req_SOURCE" "$mnt" --cache "$cache" \
+    --sampler "$req_SAMPLER" --seed "$req_SEED" --world-size "$world" --ranks "$ranks" \
+    "$@" $site_options $job_options 2>&1 >/dev/null
+  local status=$?
+  set +f
+  return "$status"
+}
+if [ -n "$index" ] && ! said=$(mount_dataset --index "$index"); then
+  warn "job $SLURM_JOB_ID: mounting from the index $index failed (${said:-no message}); listing SOURCE here"
+  index=""
+fi
+if [ -z "$index" ] && ! said=$(mount_dataset); then
   fail "stagefs mount $req_SOURCE failed: ${said:-no message}"
 fi
-set +f
 [ -z "$said" ] || warn "job $SLURM_JOB_ID: $said"
 
 warn "job $SLURM_JOB_ID: mounted $req_SOURCE at $mnt (node $node: ranks $ranks of $world)"

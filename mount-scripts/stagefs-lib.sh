@@ -134,6 +134,8 @@ load_slurm_config() {
   conf_OPTIONS=""
   conf_STAGEFS=""
   conf_LOG=syslog
+  conf_INDEX=""
+  conf_INDEX_WAIT=120
   local file=${STAGEFS_SLURM_CONF:-/etc/stagefs/slurm.conf}
   if [ -n "${STAGEFS_SLURM_CONF:-}" ] && [ ! -r "$file" ]; then
     warn "STAGEFS_SLURM_CONF=$file is not a readable file"
@@ -141,7 +143,7 @@ load_slurm_config() {
   fi
   if [ -r "$file" ]; then
     read_settings conf MOUNTPOINT CACHE_DIR STATE_DIR REQUEST_FILE ON_FAILURE GPUS_PER_NODE \
-      SOURCE SAMPLER SEED OPTIONS STAGEFS LOG <"$file"
+      SOURCE SAMPLER SEED OPTIONS STAGEFS LOG INDEX INDEX_WAIT <"$file"
   fi
   if [ -z "${STAGEFS:-}" ] && [ -n "$conf_STAGEFS" ]; then
     STAGEFS=$conf_STAGEFS

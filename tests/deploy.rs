@@ -893,6 +893,77 @@ fn slurm_prolog_failures_leave_nothing_and_drain_only_when_asked() {
     assert!(!is_mounted(&draining.mnt(&job_c, 0)) && !draining.mnt(&job_c, 0).exists());
 }
 
+/// Issue #29: one listing per job. Node 0 writes the job's index (INDEX) once and every node's
+/// mount starts from it; a node that finds none in time, or one another user put there (the
+/// mount refuses it), lists SOURCE itself; node 0's epilog removes it.
+#[test]
+fn slurm_prolog_shares_one_listing_per_job() {
+    let slurm = FakeSlurm::new("");
+    let shared = slurm.root().join("shared");
+    fs::create_dir(&shared).unwrap();
+    let conf = slurm.root().join("slurm.conf");
+    let mut config = fs::read_to_string(&conf).unwrap();
+    config += &format!("INDEX={}/%j.index\nINDEX_WAIT=2\n", shared.display());
+    fs::write(&conf, config).unwrap();
+    let (job, late) = (job_id(5), job_id(6));
+    let mut guard = Guard::default();
+    for j in [&job, &late] {
+        guard.mount(&slurm.mnt(j, 0));
+        guard.mount(&slurm.mnt(j, 1));
+    }
+    let source = slurm.source.to_str().unwrap().to_string();
+    let node = |job: &str, n: &'static str| {
+        vec![
+            ("SLURM_JOB_ID", job.to_string()),
+            ("SLURM_NODEID", n.to_string()),
+            ("SLURM_JOB_NUM_NODES", "2".to_string()),
+            ("SLURM_GPUS_ON_NODE", "1".to_string()),
+            ("STAGEFS_SOURCE", source.clone()),
+        ]
+    };
+    let run = |vars: Vec<(&str, String)>| {
+        let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let out = slurm.run("slurm-prolog.sh", &vars);
+        assert!(out.status.success(), "prolog: {}", text(&out.stderr));
+        text(&out.stderr)
+    };
+
+    let index = shared.join(format!("{job}.index"));
+    for n in ["0", "1"] {
+        run(node(&job, n));
+    }
+    assert!(index.is_file(), "node 0 wrote no index");
+    for n in 0..2u32 {
+        let args = daemon_args(daemon_pid(&slurm.mnt(&job, n)));
+        assert!(
+            has_option(&args, "--index", index.to_str().unwrap()),
+            "node {n}: {args:?}"
+        );
+        let log = fs::read_to_string(slurm.root().join(format!("log.{job}.{n}"))).unwrap();
+        assert!(log.contains("from index"), "node {n}: {log}");
+        assert!(!log.contains("scanned"), "node {n} listed SOURCE: {log}");
+    }
+
+    // Node 1 of another job, before node 0 wrote anything, finds only a file another user put
+    // where the index goes: its mount refuses it, and it lists SOURCE itself.
+    let planted = shared.join(format!("{late}.index"));
+    fs::copy(&index, &planted).unwrap();
+    std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
+    let said = run(node(&late, "1"));
+    assert!(
+        said.contains("belongs to uid 65534") && said.contains("listing SOURCE here"),
+        "{said}"
+    );
+    assert!(is_mounted(&slurm.mnt(&late, 1)));
+    fs::remove_file(&planted).unwrap();
+
+    for j in [&job, &late] {
+        let out = slurm.run("slurm-epilog.sh", &[("SLURM_JOB_ID", j.as_str())]);
+        assert!(out.status.success(), "epilog: {}", text(&out.stderr));
+    }
+    assert!(!index.exists(), "the job's index left behind");
+}
+
 /// Writes an executable script.
 fn write_executable(path: &Path, body: &str) {
     fs::write(path, body).unwrap();

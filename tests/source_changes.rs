@@ -2,7 +2,9 @@
 //! files deleted, rewritten in place with their mtime put back, swapped for symlinks, FIFOs
 //! or links back into the mount, trees added with `cp -a` / `rsync -a`, permissions tightened.
 //! What stagefs serves must always be SOURCE's bytes (or a clear ENOENT / ESTALE), at once,
-//! and a remount must see SOURCE as it is now.
+//! and a remount must see SOURCE as it is now. A mount learns a file's attributes when the
+//! file is first used (looked up, opened), not at mount time: a file changed after that is
+//! refused, one changed before is served as it is then.
 
 mod common;
 
@@ -68,6 +70,10 @@ fn changes_while_mounted_are_refused_at_once_never_served() {
     // Nothing staged ahead: every open goes to SOURCE through the checks.
     let m = TestMount::new(&src, tmp.path(), &["--sampler", "none"]);
     fs::write(tmp.path().join("secret"), b"root only secret").unwrap();
+    // The job has looked at its files: the mount has shown their sizes and times.
+    for i in 0..6 {
+        fs::metadata(m.mnt.join(format!("c{}/f{i}.jpg", i % 2))).unwrap();
+    }
 
     fs::remove_file(src.join("c0/f0.jpg")).unwrap();
     // Same length as "bytes of c0/f2.jpg", mtime matched with touch -r.
@@ -98,6 +104,36 @@ fn changes_while_mounted_are_refused_at_once_never_served() {
         );
     }
     assert!(m.log_text().contains("deleted"), "{}", m.log_text());
+    m.unmount();
+}
+
+/// Issue #29: the mount asks SOURCE about a file when it is first used, not at mount time. A
+/// file rewritten after the mount but before anything used it is shown and served as it is
+/// then, never as it was (its size would be wrong); one deleted or swapped for a link before
+/// its first use is refused then, as after.
+#[test]
+fn a_file_first_used_after_a_change_is_seen_as_it_is_then() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = dataset(tmp.path());
+    let m = TestMount::new(&src, tmp.path(), &["--sampler", "none"]);
+    fs::write(src.join("c0/f0.jpg"), b"a longer rewrite of c0/f0").unwrap();
+    fs::remove_file(src.join("c1/f1.jpg")).unwrap();
+    fs::remove_file(src.join("c0/f2.jpg")).unwrap();
+    symlink("f4.jpg", src.join("c0/f2.jpg")).unwrap();
+
+    let shown = fs::metadata(m.mnt.join("c0/f0.jpg")).unwrap();
+    assert_eq!(shown.len(), 25, "the size the file has now");
+    assert_eq!(
+        fs::read(m.mnt.join("c0/f0.jpg")).unwrap(),
+        b"a longer rewrite of c0/f0"
+    );
+    for (file, wanted) in [
+        ("c1/f1.jpg", "No such file"),
+        ("c0/f2.jpg", "Stale file handle"),
+    ] {
+        let (ok, _, stderr, _) = cat(&m.mnt.join(file));
+        assert!(!ok && stderr.contains(wanted), "{file}: {stderr}");
+    }
     m.unmount();
 }
 

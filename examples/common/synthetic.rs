@@ -5,32 +5,20 @@
 #![allow(dead_code)]
 
 use std::ffi::OsString;
+use std::io;
 use std::path::Path;
 
-use stagefs::catalog::{Kind, Lister, Scanned};
+use stagefs::catalog::{Attributes, Kind, Listed, Lister, Listing, Progress};
 
 /// `files` samples spread evenly over `classes` folders, named like ImageNet's.
 pub struct Synthetic {
     pub files: u64,
     pub classes: u64,
-    /// Size of file `i`.
-    pub size_of: fn(u64) -> u64,
-    /// Every entry's mtime, seconds.
-    pub mtime_secs: i64,
-    /// Every entry's identity (see `stagefs::catalog::identity`).
-    pub identity: u64,
 }
 
 impl Synthetic {
-    /// Sizes spread around ImageNet's ~110 KB mean.
     pub fn imagenet_like(files: u64, classes: u64) -> Synthetic {
-        Synthetic {
-            files,
-            classes,
-            size_of: |i| 20_000 + i * 2654435761 % 180_000,
-            mtime_secs: 1_600_000_000,
-            identity: 0,
-        }
+        Synthetic { files, classes }
     }
 
     /// Relative path of sample `i`.
@@ -41,46 +29,56 @@ impl Synthetic {
         format!("n{class:08}/n{class:08}_{i}.JPEG")
     }
 
-    fn entry(&self, name: String, kind: Kind, size: u64) -> Scanned {
-        Scanned {
+    fn entry(name: String, kind: Kind) -> Listed {
+        Listed {
             name: OsString::from(name),
-            kind,
-            perm: 0o644,
-            uid: 1000,
-            gid: 1000,
-            size,
-            mtime_secs: self.mtime_secs,
-            mtime_nanos: 0,
-            identity: self.identity,
-            link_target: None,
+            kind: Some(kind),
         }
     }
 }
 
+/// Every node's attributes: a directory at depth 0 or 1, a 100 KB file below.
+fn attributes(path: &Path) -> Attributes {
+    let file = path.components().count() == 2;
+    Attributes {
+        kind: if file { Kind::File } else { Kind::Directory },
+        perm: if file { 0o644 } else { 0o755 },
+        uid: 1000,
+        gid: 1000,
+        size: if file { 100_000 } else { 0 },
+        mtime_secs: 1_600_000_000,
+        mtime_nanos: 0,
+        identity: 0,
+    }
+}
+
 impl Lister for Synthetic {
-    fn root(&self) -> Scanned {
-        self.entry(String::new(), Kind::Directory, 0)
+    fn list(&self, dir: &Path, _: &Progress) -> io::Result<Listing> {
+        let entries = if dir.as_os_str().is_empty() {
+            (0..self.classes)
+                .map(|c| Self::entry(format!("n{c:08}"), Kind::Directory))
+                .collect()
+        } else {
+            let class: u64 = dir.to_str().unwrap()[1..].parse().unwrap();
+            let (lo, hi) = (
+                class * self.files / self.classes,
+                (class + 1) * self.files / self.classes,
+            );
+            (lo..hi)
+                .map(|i| Self::entry(format!("n{class:08}_{i}.JPEG"), Kind::File))
+                .collect()
+        };
+        Ok(Listing {
+            dir: attributes(dir),
+            entries,
+        })
     }
 
-    fn list(&self, dir: &Path) -> Vec<Scanned> {
-        if dir.as_os_str().is_empty() {
-            return (0..self.classes)
-                .map(|c| self.entry(format!("n{c:08}"), Kind::Directory, 0))
-                .collect();
-        }
-        let class: u64 = dir.to_str().unwrap()[1..].parse().unwrap();
-        let (lo, hi) = (
-            class * self.files / self.classes,
-            (class + 1) * self.files / self.classes,
-        );
-        (lo..hi)
-            .map(|i| {
-                self.entry(
-                    format!("n{class:08}_{i}.JPEG"),
-                    Kind::File,
-                    (self.size_of)(i),
-                )
-            })
-            .collect()
+    fn lstat(&self, path: &Path) -> io::Result<Attributes> {
+        Ok(attributes(path))
+    }
+
+    fn readlink(&self, _: &Path) -> io::Result<OsString> {
+        Err(io::Error::from_raw_os_error(libc::EINVAL))
     }
 }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use stagefs::catalog::{Catalog, FileId, Kind};
+use stagefs::catalog::{Catalog, FileId, Kind, Walking};
 use stagefs_fuzz::{Tree, normal_components, stays_inside};
 
 static TREE: OnceLock<Tree> = OnceLock::new();
@@ -97,7 +97,7 @@ fuzz_target!(|data: &[u8]| {
     if !target.is_empty() {
         std::os::unix::fs::symlink(OsStr::from_bytes(target), &link).expect("symlink");
     }
-    let catalog = Catalog::scan(root, 1).expect("scan");
+    let catalog = Catalog::scan(root, Walking::threads(1)).expect("scan");
 
     let rel = Path::new(OsStr::from_bytes(rel));
     let found = catalog.lookup_path(rel);

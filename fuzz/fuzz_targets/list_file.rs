@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use stagefs::catalog::{Catalog, list_paths};
+use stagefs::catalog::{Catalog, Walking, list_paths};
 use stagefs_fuzz::{Tree, normal_components, stays_inside};
 
 static CATALOG: OnceLock<(Tree, Catalog)> = OnceLock::new();
@@ -22,7 +22,7 @@ fn good_line(line: &[u8]) -> bool {
 fuzz_target!(|data: &[u8]| {
     let (tree, catalog) = CATALOG.get_or_init(|| {
         let tree = Tree::build();
-        let catalog = Catalog::scan(&tree.root, 1).expect("scan");
+        let catalog = Catalog::scan(&tree.root, Walking::threads(1)).expect("scan");
         (tree, catalog)
     });
     let body = data.strip_suffix(b"\n").unwrap_or(data);

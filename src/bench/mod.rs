@@ -37,7 +37,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::cache::filesystem_space;
-use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError};
+use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError, Walking};
 use crate::daemon::{self, MountConfig, MountError, RunningMount};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 use cold::{ColdCache, in_memory};
@@ -171,8 +171,14 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     // Before the scan, which may take minutes: a wrong --cache is said at once.
     let work = WorkDir::create(config.cache.as_deref(), &source)?;
     let catalog = scan(&source, config)?;
+    let io_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BenchError::Io { path, source }
+    };
+    let source_root = Opener::source_root(&source).map_err(io_err(&source))?;
     let subset = subset::choose(
         &catalog,
+        &source_root,
         &config.extensions,
         config.size,
         config.subset_seed,
@@ -187,13 +193,9 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     if let Some(path) = &index {
         catalog::index::save(&catalog, path)?;
     }
-    let io_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| BenchError::Io { path, source }
-    };
-    // SOURCE is read as the mount reads it, each file checked against this scan.
-    let source_files = Opener::source(&source, Arc::new(catalog), subset.files.clone().into())
-        .map_err(io_err(&source))?;
+    // SOURCE is read as the mount reads it, each file checked against the version the
+    // subset's sizes were read from.
+    let source_files = Opener::source(source_root, Arc::new(catalog), subset.files.clone().into());
     let orders = (0..config.epochs)
         .map(|e| reader_sampler.node_order(subset.paths.len() as u64, e, &config.ranks))
         .collect::<Result<Vec<_>, _>>()?;
@@ -260,7 +262,8 @@ fn scan(source: &Path, config: &BenchConfig) -> Result<Catalog, BenchError> {
     let scanning = progress_bar(config.progress, None, "scanning SOURCE", SPINNER);
     scanning.enable_steady_tick(SPINNER_TICK);
     let root = source.to_path_buf();
-    let scan = std::thread::spawn(move || Catalog::scan(&root, daemon::defaults::SCAN_THREADS));
+    let walking = Walking::threads(daemon::defaults::SCAN_THREADS);
+    let scan = std::thread::spawn(move || Catalog::scan(&root, walking));
     let finished = wait_unless_cancelled(&scan, &config.cancel);
     scanning.finish_and_clear();
     if !finished {

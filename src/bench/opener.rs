@@ -27,20 +27,24 @@ pub enum Opener {
 }
 
 impl Opener {
-    /// SOURCE at `path`, scanned into `catalog`; sample i is `files[i]`.
-    pub fn source(path: &Path, catalog: Arc<Catalog>, files: Arc<[FileId]>) -> io::Result<Opener> {
-        Ok(Opener::Source {
-            root: LocalSource::new(Arc::new(SourceRoot::open(path)?)),
+    /// SOURCE's root at `path`, for [`Opener::source`] (and whatever else reads SOURCE as the
+    /// mount does).
+    pub fn source_root(path: &Path) -> io::Result<LocalSource> {
+        Ok(LocalSource::new(Arc::new(SourceRoot::open(path)?)))
+    }
+
+    /// SOURCE through `root`, listed into `catalog`; sample i is `files[i]`.
+    pub fn source(root: LocalSource, catalog: Arc<Catalog>, files: Arc<[FileId]>) -> Opener {
+        Opener::Source {
+            root,
             catalog,
             files,
-        })
+        }
     }
 
     /// The directory at `path`.
     pub fn beneath(path: &Path) -> io::Result<Opener> {
-        Ok(Opener::Beneath(LocalSource::new(Arc::new(
-            SourceRoot::open(path)?,
-        ))))
+        Ok(Opener::Beneath(Self::source_root(path)?))
     }
 
     /// Opens sample `i`, at `relative` in the directory.
@@ -50,13 +54,15 @@ impl Opener {
                 root,
                 catalog,
                 files,
-            } => open_verified(root, catalog, files[i]).map_err(|e| match e {
-                SourceError::Changed { why, error, .. } => io::Error::new(
-                    io::Error::from_raw_os_error(error.errno()).kind(),
-                    format!("{why} since the benchmark scanned SOURCE"),
-                ),
-                SourceError::Io { source, .. } => source,
-            }),
+            } => open_verified(root, catalog, files[i])
+                .map(|(file, _)| file)
+                .map_err(|e| match e {
+                    SourceError::Changed { why, error, .. } => io::Error::new(
+                        io::Error::from_raw_os_error(error.errno()).kind(),
+                        format!("{why} since the benchmark chose its files"),
+                    ),
+                    SourceError::Io { source, .. } => source,
+                }),
             Opener::Beneath(dir) => {
                 let file = dir.open(relative)?;
                 if !file.metadata()?.is_file() {

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 
 use crate::catalog::{Catalog, FileId, Layout, LayoutError, LayoutKind, LayoutSpec, ROOT};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
+use crate::stager::{Source, SourceError, attributes};
 
 /// How much of SOURCE to read.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,13 +51,17 @@ pub enum SubsetError {
     Layout(#[from] LayoutError),
     #[error(transparent)]
     Order(#[from] OrderError),
+    #[error(transparent)]
+    Source(#[from] SourceError),
 }
 
-/// Chooses the subset of `catalog` (a scan of SOURCE) that `size` asks for; `seed` shuffles
-/// the classes (as `torch.randperm(classes, generator=torch.Generator().manual_seed(seed))`).
-/// `extensions` are the sample file endings an ImageFolder counts.
+/// Chooses the subset of `catalog` (a scan of SOURCE, read through `source`) that `size` asks
+/// for; `seed` shuffles the classes (as `torch.randperm(classes,
+/// generator=torch.Generator().manual_seed(seed))`). `extensions` are the sample file endings
+/// an ImageFolder counts. The chosen files are `lstat`ed for their size.
 pub fn choose(
     catalog: &Catalog,
+    source: &dyn Source,
     extensions: &[String],
     size: SubsetSize,
     seed: i128,
@@ -97,13 +102,13 @@ pub fn choose(
         .map(|(name, _)| name.clone())
         .collect();
     let files: Vec<u32> = picked.iter().flat_map(|u| u.iter().copied()).collect();
+    let mut bytes = 0;
+    for &f in &files {
+        bytes += attributes(source, catalog, f)?.size;
+    }
     Ok(Subset {
         paths: files.iter().map(|&f| catalog.relative_path(f)).collect(),
-        bytes: files
-            .iter()
-            .filter_map(|&f| catalog.entry(f))
-            .map(|e| e.size)
-            .sum(),
+        bytes,
         files,
         classes,
         classes_in_source: class_names.len(),
@@ -165,7 +170,8 @@ mod tests {
     use std::path::{Path, PathBuf};
 
     use super::{Subset, SubsetError, SubsetSize, choose};
-    use crate::catalog::{Catalog, DEFAULT_EXTENSIONS};
+    use crate::catalog::{Catalog, DEFAULT_EXTENSIONS, Walking};
+    use crate::stager::{LocalSource, SourceRoot};
 
     fn extensions() -> Vec<String> {
         DEFAULT_EXTENSIONS.iter().map(|e| e.to_string()).collect()
@@ -186,12 +192,18 @@ mod tests {
                 fs::write(path, [0u8; 10]).unwrap();
             }
         }
-        let catalog = Catalog::scan(dir.path(), 2).unwrap();
+        let catalog = Catalog::scan(dir.path(), Walking::threads(2)).unwrap();
         (dir, catalog)
     }
 
+    fn source(catalog: &Catalog) -> LocalSource {
+        LocalSource::new(std::sync::Arc::new(
+            SourceRoot::open(catalog.root_path()).unwrap(),
+        ))
+    }
+
     fn pick(catalog: &Catalog, size: SubsetSize, seed: i128) -> Subset {
-        choose(catalog, &extensions(), size, seed).unwrap()
+        choose(catalog, &source(catalog), &extensions(), size, seed).unwrap()
     }
 
     fn class_of(p: &Path) -> String {
@@ -238,7 +250,13 @@ mod tests {
             200
         );
         for bad in [0.0, -0.5, 1.01, f64::NAN] {
-            let err = choose(&catalog, &extensions(), SubsetSize::Fraction(bad), 0);
+            let err = choose(
+                &catalog,
+                &source(&catalog),
+                &extensions(),
+                SubsetSize::Fraction(bad),
+                0,
+            );
             assert!(matches!(err, Err(SubsetError::Fraction(_))), "{bad}");
         }
     }
@@ -269,8 +287,14 @@ mod tests {
     #[test]
     fn an_empty_source_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let catalog = Catalog::scan(dir.path(), 1).unwrap();
-        let err = choose(&catalog, &extensions(), SubsetSize::All, 0);
+        let catalog = Catalog::scan(dir.path(), Walking::threads(1)).unwrap();
+        let err = choose(
+            &catalog,
+            &source(&catalog),
+            &extensions(),
+            SubsetSize::All,
+            0,
+        );
         assert!(
             matches!(err, Err(SubsetError::Layout(_) | SubsetError::Empty)),
             "{err:?}"

@@ -11,8 +11,8 @@
 //!     index.bin          the catalog of SOURCE, so the next mount need not scan it
 //!     stagefs.log        the detached daemon's log (unless --log-file)
 //!     tmp/               copies in progress (deleted at start-up)
-//!     data/xx/HASH       complete files; HASH = sha256(relative path, 0, identity)[..16] in
-//!                        hex (the identity: see `CacheDir::path_for`), xx = its first byte
+//!     data/xx/HASH       complete files; HASH = sha256(relative path)[..16] in hex, xx = its
+//!                        first byte (see `CacheDir::path_for`)
 //! ```
 //! CACHE is refused unless nobody but its owner (the daemon's user) could have put anything
 //! there or could swap it: stagefs runs as root on shared nodes, and a planted file must never
@@ -20,11 +20,11 @@
 //!
 //! A file appears under `data/` only by `rename` after it was copied in full and checked
 //! against the catalog (the source file's inode, ctime, size and mtime, after the copy); it
-//! carries the source's mtime and, in the `user.stagefs.sum` attribute, the checksum of the
-//! bytes copied. So a crash leaves at worst a temporary file, never a partial file that is
-//! served, and a remount reuses a cached file only if it is a copy of the file's current
-//! version (its name says which) and its bytes still match the checksum (checked when it is
-//! first opened).
+//! carries the source's size and mtime and, in the `user.stagefs.sum` attribute, the checksum
+//! of the bytes copied and the source file's identity (inode and ctime). So a crash leaves at
+//! worst a temporary file, never a partial file that is served, and a remount reuses a cached
+//! file only if, when it is first opened, its source file is still the version it copied (one
+//! `lstat` of the source then) and its bytes still match the checksum.
 
 mod manifest;
 mod open_copies;
@@ -110,6 +110,8 @@ pub enum CacheError {
     },
     #[error("cached copy {0} has no checksum (staged without one)")]
     NoChecksum(PathBuf),
+    #[error("cached copy {0} is of another version of its source file")]
+    OtherVersion(PathBuf),
     #[error("cached copy {0} does not match the checksum recorded when it was staged")]
     Corrupt(PathBuf),
 }
@@ -129,6 +131,10 @@ pub enum CopyError {
     SourceChanged(PathBuf),
     #[error("cache file system is full")]
     NoSpace,
+    /// Larger than the cache can make room for: found out only when the copy opened it (its
+    /// size was not known before).
+    #[error("no room in the cache for it")]
+    NoRoom,
     #[error("writing the cache: {0}")]
     Cache(io::Error),
     /// Given up because the mount is stopping.
@@ -220,24 +226,19 @@ impl CacheDir {
         })
     }
 
-    /// Where the cached copy of catalog file `file` lives. The name hashes its path *and* its
-    /// identity on SOURCE (inode, ctime): a file rewritten since it was copied, even at the
-    /// same size with its mtime put back, names another cache file, so a remount never
-    /// mistakes the old copy for the new version.
+    /// Where the cached copy of catalog file `file` lives: named by its path, so a remount
+    /// finds the copies of its files without asking SOURCE anything. Which version of the file
+    /// a copy holds is recorded with it ([`CacheDir::open_verified`] checks it).
     pub fn path_for(&self, catalog: &Catalog, file: FileId) -> PathBuf {
-        let identity = catalog.entry(file).map_or(0, |e| e.identity);
-        let mut hasher = Sha256::new();
-        hasher.update(catalog.relative_path(file).as_os_str().as_encoded_bytes());
-        hasher.update([0]);
-        hasher.update(identity.to_le_bytes());
-        let digest = hasher.finalize();
+        let digest = Sha256::digest(catalog.relative_path(file).as_os_str().as_encoded_bytes());
         let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
         self.data.join(&hex[..2]).join(hex)
     }
 
-    /// Finds the complete files a previous mount left that still match the catalog, and
-    /// deletes everything else under `data/`. Returns (file, size) of those kept; their
-    /// content is still to be checked ([`CacheDir::open_verified`]).
+    /// Finds the complete files a previous mount left for files of the catalog, and deletes
+    /// everything else under `data/`. Returns (file, size) of those kept; which version of
+    /// its file each holds, and whether its content is intact, is still to be checked
+    /// ([`CacheDir::open_verified`]).
     pub fn reuse(&self, catalog: &Catalog) -> Vec<(FileId, u64)> {
         let mut present: HashSet<OsString> = HashSet::new();
         for f in self.stored_files() {
@@ -252,10 +253,9 @@ impl CacheDir {
                 if !present.contains(&name) {
                     continue;
                 }
-                let entry = catalog.entry(id).expect("catalog file");
                 match fs::symlink_metadata(&path) {
-                    Ok(m) if m.is_file() && entry.matches(&m) => {
-                        kept.push((id, entry.size));
+                    Ok(m) if m.is_file() => {
+                        kept.push((id, m.len()));
                         wanted.insert(name);
                     }
                     _ => {}

@@ -1,6 +1,8 @@
 //! Copying a file into the cache and reading a previous mount's copy back: the copy goes to
-//! `tmp/`, is checked against the catalog, gets its checksum attribute and source mtime, and
-//! only then is renamed under `data/`; a reused copy is served only if its bytes still match.
+//! `tmp/`, is checked against the source file's attributes, gets its checksum attribute (with
+//! the source's identity) and the source's mtime, and only then is renamed under `data/`; a
+//! reused copy is served only if it is of the source file's version now and its bytes still
+//! match.
 
 use std::ffi::CStr;
 use std::fs::{self, File, OpenOptions};
@@ -14,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::{CacheDir, CacheError, CopyError, OpenCopy, io_err};
-use crate::catalog::{Catalog, Entry, FileId};
+use crate::catalog::{Attributes, Catalog, FileId};
 use crate::files::open_nofollow;
 use crate::sys;
 
@@ -24,23 +26,38 @@ const COPY_BUFFER: usize = 1 << 20;
 /// The attribute holding a cached file's checksum, set on the temporary file before the
 /// rename, so a file under `data/` has its checksum from its first instant.
 pub(super) const SUM_XATTR: &CStr = c"user.stagefs.sum";
-/// First byte of the attribute's value (then the xxh3-128 of the content, little-endian):
-/// a later format is not mistaken for this one.
-const SUM_FORMAT: u8 = 1;
-const SUM_LEN: usize = 1 + 16;
+/// First byte of the attribute's value (then the xxh3-128 of the content and the source
+/// file's identity, little-endian): a later format is not mistaken for this one.
+/// 2: the source's identity added.
+const SUM_FORMAT: u8 = 2;
+const SUM_LEN: usize = 1 + 16 + 8;
+
+/// What a copy records of itself: the checksum of its bytes, and the identity of the source
+/// file they were copied from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Recorded {
+    sum: u128,
+    identity: u64,
+}
 
 impl CacheDir {
-    /// Opens the cached copy of `file` that a previous mount left, after checking its
-    /// bytes against the checksum recorded when it was staged. Reads the whole file: call it
-    /// without holding locks others wait on.
+    /// Opens the cached copy of `file` that a previous mount left, after checking that it is
+    /// a copy of the version `source` describes (the source file's attributes now: identity,
+    /// size, mtime) and its bytes against the checksum recorded when it was staged. Reads the
+    /// whole file: call it without holding locks others wait on.
     pub fn open_verified(
         &self,
         catalog: &Catalog,
         file: FileId,
+        source: &Attributes,
     ) -> Result<Arc<OpenCopy>, CacheError> {
         let path = self.path_for(catalog, file);
         let mut copy = open_nofollow(&path).map_err(io_err(&path))?;
-        let recorded = read_checksum(&copy).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
+        let recorded = read_record(&copy).ok_or_else(|| CacheError::NoChecksum(path.clone()))?;
+        let copied = copy.metadata().map_err(io_err(&path))?;
+        if recorded.identity != source.identity || !source.matches(&copied) {
+            return Err(CacheError::OtherVersion(path));
+        }
         let mut hasher = Xxh3::new();
         let mut buf = vec![0u8; COPY_BUFFER];
         loop {
@@ -51,32 +68,33 @@ impl CacheDir {
                 Err(e) => return Err(io_err(&path)(e)),
             }
         }
-        if hasher.digest128() != recorded {
+        if hasher.digest128() != recorded.sum {
             return Err(CacheError::Corrupt(path));
         }
         copy.rewind().map_err(io_err(&path))?;
         Ok(self.open_copies.keep(file, OpenCopy::new(copy)))
     }
 
-    /// Copies the source file `src`, opened and checked against the catalog by the caller,
-    /// into the cache as the complete, verified copy of catalog file `file`. Setting `stop`
-    /// ends the copy at its next chunk ([`CopyError::Stopped`], nothing left behind): a mount
-    /// being unmounted must not keep copying large files from a slow source for minutes.
+    /// Copies the source file `src`, opened and checked by the caller to be the version
+    /// `attributes` describe, into the cache as the complete, verified copy of catalog file
+    /// `file`. Setting `stop` ends the copy at its next chunk ([`CopyError::Stopped`], nothing
+    /// left behind): a mount being unmounted must not keep copying large files from a slow
+    /// source for minutes.
     pub fn stage(
         &self,
         mut src: File,
+        attributes: &Attributes,
         catalog: &Catalog,
         file: FileId,
         stop: &AtomicBool,
     ) -> Result<u64, CopyError> {
         let source = &catalog.source_path(file);
-        let entry = catalog.entry(file).expect("a catalog file");
         let tmp_path = self.tmp.join(format!(
             "{}.{}",
             std::process::id(),
             self.temp_seq.fetch_add(1, Ordering::Relaxed)
         ));
-        let result = self.copy_to_temp(&mut src, source, &tmp_path, entry, stop);
+        let result = self.copy_to_temp(&mut src, source, &tmp_path, attributes, stop);
         match result {
             Ok(n) => {
                 let dest = self.path_for(catalog, file);
@@ -100,7 +118,7 @@ impl CacheDir {
         src: &mut File,
         source: &Path,
         tmp_path: &Path,
-        entry: &Entry,
+        version: &Attributes,
         stop: &AtomicBool,
     ) -> Result<u64, CopyError> {
         let src_err = source_err(source);
@@ -110,14 +128,14 @@ impl CacheDir {
             .mode(0o600)
             .open(tmp_path)
             .map_err(cache_err)?;
-        let mut buf = vec![0u8; COPY_BUFFER.min(entry.size.max(1) as usize)];
+        let mut buf = vec![0u8; COPY_BUFFER.min(version.size.max(1) as usize)];
         let mut copied = 0u64;
         // Hashed as copied, from the very bytes written: no second read of either file.
         let mut hasher = Xxh3::new();
-        // Read up to the catalogued size and one byte more, which tells a file that grew:
-        // a file written to while copied must not fill the cache (nor take a copy thread
-        // for as long as its writer goes on).
-        let limit = entry.size.saturating_add(1);
+        // Read up to the file's size and one byte more, which tells a file that grew: a file
+        // written to while copied must not fill the cache (nor take a copy thread for as long
+        // as its writer goes on).
+        let limit = version.size.saturating_add(1);
         while copied < limit {
             if stop.load(Ordering::Relaxed) {
                 return Err(CopyError::Stopped);
@@ -132,20 +150,25 @@ impl CacheDir {
                 Err(e) => return Err(src_err(e)),
             };
             copied += n as u64;
-            if copied > entry.size {
-                break; // grew: not the catalogued file, nothing of it is kept
+            if copied > version.size {
+                break; // grew: not the version opened, nothing of it is kept
             }
             out.write_all(&buf[..n]).map_err(cache_err)?;
             hasher.update(&buf[..n]);
         }
-        // The source must still be the file we catalogued, or the copy could mix versions.
-        if copied != entry.size || !entry.is_unchanged(&src.metadata().map_err(src_err)?) {
+        // The source must still be the version opened, or the copy could mix versions.
+        let now = Attributes::of_metadata(&src.metadata().map_err(src_err)?);
+        if copied != version.size || !version.is_unchanged(&now) {
             return Err(CopyError::SourceChanged(source.to_path_buf()));
         }
-        self.record_checksum(&out, hasher.digest128())?;
+        let recorded = Recorded {
+            sum: hasher.digest128(),
+            identity: version.identity,
+        };
+        self.record(&out, recorded)?;
         let mtime = libc::timespec {
-            tv_sec: entry.mtime_secs,
-            tv_nsec: entry.mtime_nanos as i64,
+            tv_sec: version.mtime_secs,
+            tv_nsec: version.mtime_nanos as i64,
         };
         sys::set_mtime(out.as_fd(), mtime).map_err(cache_err)?;
         Ok(copied)
@@ -153,10 +176,11 @@ impl CacheDir {
 
     /// Sets the checksum attribute of a copy. A cache file system without user attributes
     /// still caches, but a remount cannot check those files and stages them again.
-    fn record_checksum(&self, out: &File, sum: u128) -> Result<(), CopyError> {
+    fn record(&self, out: &File, recorded: Recorded) -> Result<(), CopyError> {
         let mut value = [0u8; SUM_LEN];
         value[0] = SUM_FORMAT;
-        value[1..].copy_from_slice(&sum.to_le_bytes());
+        value[1..17].copy_from_slice(&recorded.sum.to_le_bytes());
+        value[17..].copy_from_slice(&recorded.identity.to_le_bytes());
         let Err(e) = sys::fsetxattr(out.as_fd(), SUM_XATTR, &value) else {
             return Ok(());
         };
@@ -172,14 +196,17 @@ impl CacheDir {
     }
 }
 
-/// The checksum recorded on a cached file, if it has one in a format this version knows.
-fn read_checksum(file: &File) -> Option<u128> {
+/// What a cached file records of itself, if it does in a format this version knows.
+fn read_record(file: &File) -> Option<Recorded> {
     let mut value = [0u8; SUM_LEN];
     let n = sys::fgetxattr(file.as_fd(), SUM_XATTR, &mut value);
     if n.ok() != Some(SUM_LEN) || value[0] != SUM_FORMAT {
         return None;
     }
-    Some(u128::from_le_bytes(value[1..].try_into().ok()?))
+    Some(Recorded {
+        sum: u128::from_le_bytes(value[1..17].try_into().ok()?),
+        identity: u64::from_le_bytes(value[17..].try_into().ok()?),
+    })
 }
 
 /// Maps a read error on the source file at `path` (retried by the stager, unlike cache errors).

@@ -8,6 +8,7 @@ use std::os::unix::fs::MetadataExt;
 
 use super::stage::SUM_XATTR;
 use super::*;
+use crate::catalog::{Attributes, Walking};
 use crate::sys::euid;
 
 /// Found by fuzz/cache_manifest: a SOURCE path that is not UTF-8 made `to_bytes` panic,
@@ -225,9 +226,14 @@ fn source_with(content: &[u8]) -> (tempfile::TempDir, Catalog, FileId) {
     let tmp = tempfile::tempdir().unwrap();
     fs::create_dir(tmp.path().join("src")).unwrap();
     fs::write(tmp.path().join("src/f"), content).unwrap();
-    let catalog = Catalog::scan(&tmp.path().join("src"), 1).unwrap();
+    let catalog = Catalog::scan(&tmp.path().join("src"), Walking::threads(1)).unwrap();
     let id = catalog.files().next().unwrap();
     (tmp, catalog, id)
+}
+
+/// The source file of `id` as it is now.
+fn version(catalog: &Catalog, id: FileId) -> Attributes {
+    Attributes::of_metadata(&fs::symlink_metadata(catalog.source_path(id)).unwrap())
 }
 
 fn stage(cache: &CacheDir, catalog: &Catalog, id: FileId) {
@@ -235,6 +241,7 @@ fn stage(cache: &CacheDir, catalog: &Catalog, id: FileId) {
     cache
         .stage(
             File::open(&path).unwrap(),
+            &version(catalog, id),
             catalog,
             id,
             &AtomicBool::new(false),
@@ -248,7 +255,8 @@ fn a_stopped_copy_leaves_nothing_behind() {
     let root = tmp.path().join("cache");
     let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
     let src = File::open(catalog.source_path(id)).unwrap();
-    let result = cache.stage(src, &catalog, id, &AtomicBool::new(true));
+    let v = version(&catalog, id);
+    let result = cache.stage(src, &v, &catalog, id, &AtomicBool::new(true));
     assert!(matches!(result, Err(CopyError::Stopped)), "{result:?}");
     assert!(cache.open_cached(&catalog, id).is_err(), "no copy");
     let left: Vec<_> = fs::read_dir(root.join("stagefs/tmp")).unwrap().collect();
@@ -263,12 +271,13 @@ fn a_grown_file_is_read_no_further_than_its_catalogued_size() {
     let root = tmp.path().join("cache");
     let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
     let path = catalog.source_path(id);
+    let v = version(&catalog, id);
     let mut grow = fs::OpenOptions::new().append(true).open(&path).unwrap();
     grow.write_all(&vec![7u8; 8 << 20]).unwrap();
     let src = File::open(&path).unwrap();
     // Shares the file offset with `src`: how far the copy read.
     let mut offset = src.try_clone().unwrap();
-    let result = cache.stage(src, &catalog, id, &AtomicBool::new(false));
+    let result = cache.stage(src, &v, &catalog, id, &AtomicBool::new(false));
     assert!(
         matches!(result, Err(CopyError::SourceChanged(_))),
         "{result:?}"
@@ -287,24 +296,26 @@ fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     let root = tmp.path().join("cache");
     let cache = CacheDir::open(&root, catalog.root_path()).unwrap();
     stage(&cache, &catalog, id);
+    let v = version(&catalog, id);
     let mut served = String::new();
-    let copy = cache.open_verified(&catalog, id).unwrap();
+    let copy = cache.open_verified(&catalog, id, &v).unwrap();
     copy.file().read_to_string(&mut served).unwrap();
     assert_eq!(served, "the dataset's bytes", "from the start of the file");
     assert_eq!(cache.reuse(&catalog), vec![(id, 19)]);
 
-    // Changed in place, size kept: the size and mtime check cannot see it.
+    // Changed in place, size and mtime kept: the size and mtime check cannot see it.
     let path = cache.path_for(&catalog, id);
     let mut w = OpenOptions::new().write(true).open(&path).unwrap();
     w.write_all(b"THE").unwrap();
-    let e = cache.open_verified(&catalog, id).unwrap_err();
+    w.set_modified(v.mtime()).unwrap();
+    let e = cache.open_verified(&catalog, id, &v).unwrap_err();
     assert!(matches!(e, CacheError::Corrupt(_)), "{e}");
 
     // No checksum at all (planted, or staged where attributes are not supported).
     stage(&cache, &catalog, id);
-    cache.open_verified(&catalog, id).unwrap();
+    cache.open_verified(&catalog, id, &v).unwrap();
     crate::sys::removexattr(&path, SUM_XATTR).unwrap();
-    let e = cache.open_verified(&catalog, id).unwrap_err();
+    let e = cache.open_verified(&catalog, id, &v).unwrap_err();
     assert!(matches!(e, CacheError::NoChecksum(_)), "{e}");
 
     // Not through a link, whatever it points to. (The copy kept open from the last open is
@@ -312,9 +323,32 @@ fn a_reused_copy_is_served_only_if_its_bytes_match_the_checksum() {
     fs::remove_file(&path).unwrap();
     cache.open_copies.forget(id);
     std::os::unix::fs::symlink(catalog.source_path(id), &path).unwrap();
-    assert!(cache.open_verified(&catalog, id).is_err());
+    assert!(cache.open_verified(&catalog, id, &v).is_err());
     assert!(cache.open_cached(&catalog, id).is_err());
     assert_eq!(cache.reuse(&catalog), vec![], "a link is not a cached file");
+}
+
+/// A copy is of one version of its source file, which its name does not say: rewritten since
+/// (same size, mtime put back), the source is another version, and the copy is not served.
+#[test]
+fn a_reused_copy_of_another_version_of_its_file_is_not_served() {
+    let (tmp, catalog, id) = source_with(b"the dataset's bytes");
+    let cache = CacheDir::open(&tmp.path().join("cache"), catalog.root_path()).unwrap();
+    stage(&cache, &catalog, id);
+    let before = version(&catalog, id);
+    let path = catalog.source_path(id);
+    fs::write(&path, b"THE DATASET'S BYTES").unwrap();
+    File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(before.mtime())
+        .unwrap();
+    let now = version(&catalog, id);
+    assert_eq!((now.size, now.mtime()), (before.size, before.mtime()));
+    let e = cache.open_verified(&catalog, id, &now).unwrap_err();
+    assert!(matches!(e, CacheError::OtherVersion(_)), "{e}");
+    cache.open_verified(&catalog, id, &before).unwrap();
 }
 
 #[test]

@@ -1,33 +1,43 @@
-//! A saved catalog, so a mount of millions of files starts without a full scan.
+//! A saved listing of SOURCE, so a mount starts without listing every directory again: the
+//! one a mount keeps as `CACHE/stagefs/index.bin` for the next, or one `stagefs index` writes
+//! once for every node of a job (`--index`).
 //!
-//! Scanning ImageNet-22k (14 M files) on a parallel file system costs millions of metadata
-//! round trips. `stagefs index` (or any mount, as `CACHE/stagefs/index.bin`) writes the catalog in a
-//! versioned binary format; a later mount loads it in a second or two. It is never trusted
-//! blindly: the file carries a SHA-256 of its contents and is checked structurally (a tree,
-//! names sorted, ranges in bounds) on load, and against SOURCE before use: every node is
-//! `lstat`ed again, in parallel, and must be unchanged down to its inode and ctime (see
-//! [`check_fresh`]), so a remount sees every file added, removed, rewritten or chmod'ed since.
-//! That costs one stat per entry, which is still far less than a scan's listings of a
-//! parallel file system, and it is what keeps a remount from serving a stale snapshot.
+//! It holds what the scan reads, names and kinds and link targets, and each directory's
+//! identity (inode and ctime) when it was listed; no file's attributes (a mount fetches those
+//! when first needed, from SOURCE). It is trusted as the listing: a mount re-checks each
+//! directory with one `lstat` (a directory's ctime moves with every entry added, removed or
+//! renamed in it, even when `cp -a` or `rsync -a` put its mtime back) and lists again only
+//! those that changed ([`Loaded::refresh`]), so a mount from an index costs SOURCE one request
+//! per directory, and none per file. Whoever can write the index decides what the mount lists,
+//! so a file is used only if it belongs to the daemon's user or root and nobody else may write
+//! it, as the descriptor read from says; what a user may read is still decided by SOURCE at
+//! open time.
 //!
-//! Format (little endian): magic, version, header (source path, counts), entries of
-//! [`ENTRY_BYTES`] each, the name arena, owners, symlink targets, then SHA-256 of all before.
+//! The file carries a SHA-256 of its contents and is checked structurally (a tree, names
+//! sorted, ranges in bounds) on load. Format (little endian): magic, version, header (source
+//! path, counts), entries of [`ENTRY_BYTES`] each, the name arena, symlink targets, each
+//! directory's identity in id order, then the SHA-256 of all before.
 
 use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use sha2::{Digest, Sha256};
 
+use super::attributes::Seen;
 use super::{Catalog, Entry, FileId, Kind, ROOT};
+
+mod refresh;
 
 const MAGIC: &[u8; 16] = b"STAGEFS-INDEX\0\0\0";
 /// Bumped whenever the layout below changes; older files are refused, not misread.
 /// 2: entries carry their node's identity (inode and ctime), and special files are listed.
-const VERSION: u32 = 2;
-const ENTRY_BYTES: usize = 52;
+/// 3: a listing only (names, kinds, links) and each directory's identity; no attributes.
+const VERSION: u32 = 3;
+const ENTRY_BYTES: usize = 18;
 const DIGEST_BYTES: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,13 +67,28 @@ pub enum IndexError {
         source_dir: PathBuf,
     },
     #[error(
-        "index {path} is out of date: {what} changed since it was written; rebuild it with `stagefs index` or mount without --index"
+        "index {path} {why}: whoever can write it decides what the mount lists; use an index that only you or root can write (`stagefs index` writes one)"
     )]
-    Stale { path: PathBuf, what: String },
+    Untrusted { path: PathBuf, why: String },
+}
+
+/// A loaded index: the catalog it lists, and each directory's identity when it was listed,
+/// to check against SOURCE before the listing is used ([`Loaded::refresh`]).
+pub struct Loaded {
+    catalog: Catalog,
+    /// (directory id, its identity when listed), in id order.
+    listed: Vec<(FileId, u64)>,
+}
+
+impl Loaded {
+    /// The catalog as the index lists it, not checked against SOURCE yet.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
 }
 
 /// Writes `catalog` in the index format to `out`, streaming: the index of 14 M files is
-/// about 1 GB, which must not be built in memory next to the catalog.
+/// hundreds of MB, which must not be built in memory next to the catalog.
 fn encode_to(catalog: &Catalog, out: impl Write) -> io::Result<()> {
     let mut w = Hashing {
         inner: out,
@@ -76,24 +101,30 @@ fn encode_to(catalog: &Catalog, out: impl Write) -> io::Result<()> {
     w.write_all(source)?;
     w.write_all(&(catalog.entries.len() as u32).to_le_bytes())?;
     w.write_all(&(catalog.names.len() as u64).to_le_bytes())?;
-    w.write_all(&(catalog.owners.len() as u32).to_le_bytes())?;
     w.write_all(&(catalog.link_targets.len() as u32).to_le_bytes())?;
     for e in &catalog.entries {
         w.write_all(&entry_bytes(e))?;
     }
     w.write_all(&catalog.names)?;
-    for &(uid, gid) in &catalog.owners {
-        w.write_all(&uid.to_le_bytes())?;
-        w.write_all(&gid.to_le_bytes())?;
-    }
     for (id, target) in &catalog.link_targets {
         w.write_all(&id.to_le_bytes())?;
         w.write_all(&(target.len() as u32).to_le_bytes())?;
         w.write_all(target.as_bytes())?;
     }
+    // A directory not listed (unreadable) has no identity: 0 never matches, so the next mount
+    // lists it again.
+    for dir in directories(&catalog.entries) {
+        let identity = catalog.attributes(dir).map_or(0, |a| a.identity);
+        w.write_all(&identity.to_le_bytes())?;
+    }
     let digest = w.hasher.finalize();
     w.inner.write_all(&digest)?;
     w.inner.flush()
+}
+
+/// The ids of the directories among `entries`, in id order.
+fn directories(entries: &[Entry]) -> impl Iterator<Item = FileId> + '_ {
+    (0..entries.len() as FileId).filter(|&id| entries[id as usize].kind == Kind::Directory)
 }
 
 /// One entry as [`ENTRY_BYTES`] bytes.
@@ -102,31 +133,14 @@ fn entry_bytes(e: &Entry) -> [u8; ENTRY_BYTES] {
     b[0..4].copy_from_slice(&e.parent.to_le_bytes());
     b[4..8].copy_from_slice(&e.name_offset.to_le_bytes());
     b[8] = e.name_len;
-    b[9] = KINDS
+    b[9] = Kind::ALL
         .iter()
         .position(|&k| k == e.kind)
         .expect("every kind is listed") as u8;
-    b[10..12].copy_from_slice(&e.perm.to_le_bytes());
-    b[12..16].copy_from_slice(&e.owner.to_le_bytes());
-    b[16..24].copy_from_slice(&e.size.to_le_bytes());
-    b[24..32].copy_from_slice(&e.mtime_secs.to_le_bytes());
-    b[32..36].copy_from_slice(&e.mtime_nanos.to_le_bytes());
-    b[36..44].copy_from_slice(&e.identity.to_le_bytes());
-    b[44..48].copy_from_slice(&e.first_child.to_le_bytes());
-    b[48..52].copy_from_slice(&e.child_count.to_le_bytes());
+    b[10..14].copy_from_slice(&e.first_child.to_le_bytes());
+    b[14..18].copy_from_slice(&e.child_count.to_le_bytes());
     b
 }
-
-/// Entry kinds by their byte in the format.
-const KINDS: [Kind; 7] = [
-    Kind::Directory,
-    Kind::File,
-    Kind::Symlink,
-    Kind::Fifo,
-    Kind::Socket,
-    Kind::CharDevice,
-    Kind::BlockDevice,
-];
 
 /// A writer that hashes what passes through it.
 struct Hashing<W> {
@@ -146,7 +160,8 @@ impl<W: Write> Write for Hashing<W> {
     }
 }
 
-/// Writes the index for `catalog` to `path` atomically (temp file + rename).
+/// Writes the index for `catalog` to `path` atomically (temp file + rename), readable and
+/// writable by its owner only.
 pub fn save(catalog: &Catalog, path: &Path) -> Result<(), IndexError> {
     crate::files::write_atomically_with(path, 0o600, |file| {
         encode_to(catalog, BufWriter::new(file))
@@ -158,16 +173,25 @@ pub fn save(catalog: &Catalog, path: &Path) -> Result<(), IndexError> {
 }
 
 /// Loads and verifies an index file made for `source` (its canonical path), streaming: peak
-/// memory is the catalog itself, not the file next to it.
-pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
+/// memory is the catalog itself, not the file next to it. The file must be one only the
+/// daemon's user or root can write ([`trusted`]).
+pub fn load(path: &Path, source: &Path) -> Result<Loaded, IndexError> {
     let read_err = |e| IndexError::Read {
         path: path.to_path_buf(),
         source: e,
     };
-    // Never through a link: the one a mount keeps in the cache must be the one it wrote.
-    let file = crate::files::open_nofollow(path).map_err(read_err)?;
-    let len = file.metadata().map_err(read_err)?.len();
-    let catalog = decode_from(BufReader::new(file), len).map_err(|reason| match reason {
+    // Never through a link, and never waiting on a FIFO put in its place; what is checked is
+    // what the descriptor reads, whatever the path names by then.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(read_err)?;
+    let len = trusted(&file).map_err(|why| IndexError::Untrusted {
+        path: path.to_path_buf(),
+        why,
+    })?;
+    let loaded = decode_from(BufReader::new(file), len).map_err(|reason| match reason {
         DecodeError::Version(found) => IndexError::Version {
             path: path.to_path_buf(),
             found,
@@ -178,14 +202,39 @@ pub fn load(path: &Path, source: &Path) -> Result<Catalog, IndexError> {
         },
         DecodeError::Io(e) => read_err(e),
     })?;
-    if catalog.root_path != source {
+    if loaded.catalog.root_path != source {
         return Err(IndexError::OtherSource {
             path: path.to_path_buf(),
-            indexed: catalog.root_path,
+            indexed: loaded.catalog.root_path,
             source_dir: source.to_path_buf(),
         });
     }
-    Ok(catalog)
+    Ok(loaded)
+}
+
+/// The length of the opened index `file` if it may be trusted: a regular file of the daemon's
+/// user or root that neither its group nor others can write (an ACL granting anyone else
+/// write shows in the group bits, its mask). Otherwise why not.
+fn trusted(file: &File) -> Result<u64, String> {
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot be checked ({e})"))?;
+    let me = crate::sys::euid();
+    if !meta.is_file() {
+        Err("is not a regular file".into())
+    } else if meta.uid() != me && meta.uid() != 0 {
+        Err(format!(
+            "belongs to uid {}, not to this stagefs's user (uid {me}) or root",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o022 != 0 {
+        Err(format!(
+            "can be written by others (mode {:o})",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        Ok(meta.len())
+    }
 }
 
 #[derive(Debug)]
@@ -203,7 +252,7 @@ fn corrupt(reason: &str) -> DecodeError {
 /// on any input; allocates only what the file's length can back. Parsing runs while the
 /// checksum accumulates, so a corrupt file may be refused for what it contains before its
 /// checksum is compared at the end: either way nothing of it is used.
-pub fn decode_from(input: impl Read, len: u64) -> Result<Catalog, DecodeError> {
+pub fn decode_from(input: impl Read, len: u64) -> Result<Loaded, DecodeError> {
     if len < (MAGIC.len() + 4 + DIGEST_BYTES) as u64 {
         return Err(corrupt("no stagefs index header"));
     }
@@ -223,7 +272,6 @@ pub fn decode_from(input: impl Read, len: u64) -> Result<Catalog, DecodeError> {
     let root_path = PathBuf::from(OsString::from_vec(r.take(source_len)?));
     let count = r.u32()? as usize;
     let names_len = usize::try_from(r.u64()?).map_err(|_| corrupt("name arena too large"))?;
-    let owners_count = r.u32()? as usize;
     let links_count = r.u32()? as usize;
     if count == 0
         || count
@@ -237,15 +285,19 @@ pub fn decode_from(input: impl Read, len: u64) -> Result<Catalog, DecodeError> {
         entries.push(parse_entry(&r.array::<ENTRY_BYTES>()?)?);
     }
     let names = r.take(names_len)?;
-    let mut owners = Vec::with_capacity(owners_count.min(r.remaining() / 8));
-    for _ in 0..owners_count {
-        owners.push((r.u32()?, r.u32()?));
-    }
     let mut link_targets = Vec::with_capacity(links_count.min(r.remaining() / 8));
     for _ in 0..links_count {
         let id = r.u32()?;
         let len = r.u32()? as usize;
         link_targets.push((id, OsString::from_vec(r.take(len)?)));
+    }
+    let dirs: Vec<FileId> = directories(&entries).collect();
+    if dirs.len().saturating_mul(8) > r.remaining() {
+        return Err(corrupt("directory identities do not fit the file"));
+    }
+    let mut listed = Vec::with_capacity(dirs.len());
+    for dir in dirs {
+        listed.push((dir, r.u64()?));
     }
     if r.remaining() != 0 {
         return Err(corrupt("trailing bytes"));
@@ -253,39 +305,31 @@ pub fn decode_from(input: impl Read, len: u64) -> Result<Catalog, DecodeError> {
     r.check_digest()?;
     let mut catalog = Catalog {
         root_path,
+        seen: Seen::new(entries.len()),
         entries,
         names,
-        owners,
         link_targets,
         file_count: 0,
-        total_file_bytes: 0,
     };
     validate(&mut catalog).map_err(DecodeError::Corrupt)?;
-    Ok(catalog)
+    Ok(Loaded { catalog, listed })
 }
 
 fn parse_entry(b: &[u8; ENTRY_BYTES]) -> Result<Entry, DecodeError> {
     let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
     Ok(Entry {
         parent: u32_at(0),
         name_offset: u32_at(4),
         name_len: b[8],
-        kind: *KINDS
+        kind: *Kind::ALL
             .get(b[9] as usize)
             .ok_or_else(|| corrupt("unknown entry kind"))?,
-        perm: u16::from_le_bytes([b[10], b[11]]),
-        owner: u32_at(12),
-        size: u64_at(16),
-        mtime_secs: u64_at(24) as i64,
-        mtime_nanos: u32_at(32),
-        identity: u64_at(36),
-        first_child: u32_at(44),
-        child_count: u32_at(48),
+        first_child: u32_at(10),
+        child_count: u32_at(14),
     })
 }
 
-/// Checks the invariants lookup and readdir rely on, and recomputes the totals.
+/// Checks the invariants lookup and readdir rely on, and counts the files.
 fn validate(c: &mut Catalog) -> Result<(), String> {
     let n = c.entries.len();
     let root = &c.entries[ROOT as usize];
@@ -297,9 +341,6 @@ fn validate(c: &mut Catalog) -> Result<(), String> {
         let name_end = e.name_offset as usize + e.name_len as usize;
         if name_end > c.names.len() {
             return Err(format!("entry {id}: name out of range"));
-        }
-        if e.owner as usize >= c.owners.len() {
-            return Err(format!("entry {id}: owner out of range"));
         }
         if id != ROOT as usize {
             let name = &c.names[e.name_offset as usize..name_end];
@@ -357,49 +398,7 @@ fn validate(c: &mut Catalog) -> Result<(), String> {
         return Err("symlink table does not match the entries".into());
     }
     c.file_count = c.entries.iter().filter(|e| e.kind == Kind::File).count() as u64;
-    c.total_file_bytes = c
-        .entries
-        .iter()
-        .filter(|e| e.kind == Kind::File)
-        .map(|e| e.size)
-        .sum();
     Ok(())
-}
-
-/// Checks the index still describes SOURCE, node by node: every entry is `lstat`ed and must
-/// be the same node, unchanged ([`Entry::is_unchanged`]: inode, ctime, kind, size, mtime).
-/// ctime is what makes this sound: a directory's moves with every entry added, removed or
-/// renamed in it, even when `cp -a` or `rsync -a` put its mtime back, and a file's with every
-/// write, chmod or chown, which no user can set back. Stats with `threads` workers (metadata
-/// round trips are the slow part), stopping at the first difference.
-pub fn check_fresh(catalog: &Catalog, index_path: &Path, threads: usize) -> Result<(), IndexError> {
-    let next = AtomicUsize::new(0);
-    let stale: parking_lot::Mutex<Option<String>> = parking_lot::Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                loop {
-                    let id = next.fetch_add(1, Ordering::Relaxed);
-                    if id >= catalog.entries.len() || stale.lock().is_some() {
-                        return;
-                    }
-                    let path = catalog.source_path(id as FileId);
-                    let fresh = std::fs::symlink_metadata(&path)
-                        .is_ok_and(|m| catalog.entries[id].is_unchanged(&m));
-                    if !fresh {
-                        *stale.lock() = Some(path.display().to_string());
-                    }
-                }
-            });
-        }
-    });
-    match stale.into_inner() {
-        Some(what) => Err(IndexError::Stale {
-            path: index_path.to_path_buf(),
-            what,
-        }),
-        None => Ok(()),
-    }
 }
 
 /// Reads the index body from a stream, hashing it, never past the digest at its end.

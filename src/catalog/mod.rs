@@ -1,9 +1,12 @@
-//! The dataset as a snapshot: every directory, regular file and symlink of SOURCE, scanned
-//! once at mount time and immutable afterwards.
+//! The dataset as a listing: every directory, regular file and symlink of SOURCE, with its
+//! name and kind, read from SOURCE's directory listings once at mount time (or from an index
+//! of them) and immutable afterwards; and each entry's attributes, fetched when first needed
+//! and kept (see [`attributes`]).
 //!
-//! Training treats its dataset as read-only, so stagefs answers every metadata question
-//! (lookup, getattr, readdir) from this table instead of asking the parallel file system,
-//! whose metadata round trips are what makes small-file training slow in the first place.
+//! Training treats its dataset as read-only, so stagefs answers lookups and readdir from this
+//! table instead of asking the parallel file system, whose metadata round trips are what makes
+//! small-file training slow in the first place; a file's attributes cost SOURCE one `lstat`
+//! when the file is first looked up, opened or copied, as a direct read would.
 //!
 //! Layout is chosen for millions of entries: one fixed-size [`Entry`] per node in a `Vec`
 //! addressed by a `u32` id, names packed into one shared byte arena, and the children of a
@@ -11,17 +14,20 @@
 //! readdir a slice walk. Ids are assigned breadth-first; the inode number is `id + 1` so the
 //! root is FUSE's inode 1.
 
+mod attributes;
 mod file_set;
 pub mod index;
 mod layout;
 mod maybe_file;
 mod scan;
+mod walk;
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use attributes::Seen;
+pub use attributes::{Attributes, Changed, identity, identity_of};
 pub use file_set::FileSet;
 pub use index::IndexError;
 pub use layout::{
@@ -29,7 +35,8 @@ pub use layout::{
     dataset_name, list_paths,
 };
 pub use maybe_file::MaybeFile;
-pub use scan::{Lister, ScanError, Scanned};
+pub use scan::{Listed, Lister, Listing, ScanError, source_lister};
+pub use walk::{Progress, STALL, Walking};
 
 /// A catalog node id: index into [`Catalog::entries`]. The root is 0.
 pub type FileId = u32;
@@ -55,6 +62,31 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Every kind, in the order the index format numbers them.
+    pub const ALL: [Kind; 7] = [
+        Kind::Directory,
+        Kind::File,
+        Kind::Symlink,
+        Kind::Fifo,
+        Kind::Socket,
+        Kind::CharDevice,
+        Kind::BlockDevice,
+    ];
+
+    /// The kind a directory listing gives (`d_type`), if it gives one (not `DT_UNKNOWN`).
+    pub fn of_dirent(d_type: u8) -> Option<Kind> {
+        Some(match d_type {
+            libc::DT_DIR => Kind::Directory,
+            libc::DT_REG => Kind::File,
+            libc::DT_LNK => Kind::Symlink,
+            libc::DT_FIFO => Kind::Fifo,
+            libc::DT_SOCK => Kind::Socket,
+            libc::DT_CHR => Kind::CharDevice,
+            libc::DT_BLK => Kind::BlockDevice,
+            _ => return None,
+        })
+    }
+
     /// The kind of a file as `lstat` describes it.
     pub fn of(ft: std::fs::FileType) -> Kind {
         use std::os::unix::fs::FileTypeExt;
@@ -89,107 +121,38 @@ impl Kind {
     }
 }
 
-/// One node of the tree. Kept small: it is paid once per file of the dataset. Packed to
-/// 4-byte alignment, so its 52 bytes are not padded to 56 for the 64-bit fields (read by
-/// value only; references to them would be unaligned).
+/// One node of the tree, as directory listings describe it: where it is, its name and its
+/// kind. Kept small: it is paid once per file of the dataset. Its attributes are fetched when
+/// first needed ([`Catalog::attributes`]).
 #[derive(Clone, Copy, Debug)]
-#[repr(C, packed(4))]
 pub struct Entry {
     pub parent: FileId,
     name_offset: u32,
     /// Linux names are at most 255 bytes (NAME_MAX).
     name_len: u8,
     pub kind: Kind,
-    /// Permission bits (`st_mode & 0o7777`).
-    pub perm: u16,
-    /// Index into [`Catalog::owners`]: datasets have few distinct (uid, gid) pairs.
-    owner: u32,
-    pub size: u64,
-    pub mtime_secs: i64,
-    pub mtime_nanos: u32,
-    /// [`identity`] of the node as scanned: which inode it was, and its ctime, which the
-    /// kernel moves on every change of content, mode, owner, links or (for a directory) its
-    /// entries, and which no user can set back.
-    pub identity: u64,
     /// For directories: children are ids `first_child .. first_child + child_count`.
     first_child: FileId,
     child_count: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 52);
-
-/// A 64-bit fingerprint of a node's inode and ctime (the parts of `stat` that say *which* file
-/// it is and *whether it changed*, and that its owner cannot forge: `touch -r` restores an
-/// mtime, never a ctime). Stable across versions: indexes store it. The device number is left
-/// out on purpose: a network file system's client gets a new one each time it is remounted,
-/// while its inode numbers and ctimes stay (they come from the server).
-pub fn identity(m: &std::fs::Metadata) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    identity_of(m.ino(), m.ctime(), m.ctime_nsec())
-}
-
-/// [`identity`] from the fields of a `struct stat`.
-pub fn identity_of(ino: u64, ctime: i64, ctime_nsec: i64) -> u64 {
-    // SplitMix64's finalizer over each field in turn: cheap and well mixed. A collision needs
-    // a change that lands on the same 64-bit value, which a user cannot steer (the kernel
-    // picks inode numbers and nanosecond ctimes).
-    let mix = |h: u64, v: u64| {
-        let mut z = (h ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    [ino, ctime as u64, ctime_nsec as u64]
-        .into_iter()
-        .fold(0, mix)
-}
-
-impl Entry {
-    /// Whether `m` (a stat of a cached copy) carries this entry's size and mtime, which a
-    /// copy is given when it is published.
-    pub fn matches(&self, m: &std::fs::Metadata) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        m.len() == self.size
-            && m.mtime() == self.mtime_secs
-            && m.mtime_nsec() as u32 == self.mtime_nanos
-    }
-
-    /// Whether `m` (an `lstat`/`fstat` on SOURCE) is still the node this entry was scanned
-    /// from, unchanged: same kind, same inode and ctime, same size and mtime. Anything else
-    /// (replaced, rewritten, chmod'ed, swapped for a link or a FIFO) is a changed file.
-    pub fn is_unchanged(&self, m: &std::fs::Metadata) -> bool {
-        Kind::of(m.file_type()) == self.kind
-            && identity(m) == self.identity
-            && (self.kind == Kind::Directory || self.matches(m))
-    }
-
-    pub fn mtime(&self) -> SystemTime {
-        // As in struct stat, the nanoseconds count forward from the (possibly negative) seconds:
-        // (-2, 250_000_000) is 1.75 s before the epoch.
-        let nanos = Duration::from_nanos(self.mtime_nanos.into());
-        if self.mtime_secs >= 0 {
-            UNIX_EPOCH + Duration::from_secs(self.mtime_secs as u64) + nanos
-        } else {
-            UNIX_EPOCH - Duration::from_secs(self.mtime_secs.unsigned_abs()) + nanos
-        }
-    }
-}
+const _: () = assert!(std::mem::size_of::<Entry>() == 20);
 
 pub struct Catalog {
     root_path: PathBuf,
     entries: Vec<Entry>,
     names: Vec<u8>,
-    owners: Vec<(u32, u32)>,
     /// Symlink targets, by id; rare enough that a sorted side table beats a field per entry.
     link_targets: Vec<(FileId, OsString)>,
+    /// The attributes of the entries seen so far.
+    seen: Seen,
     file_count: u64,
-    total_file_bytes: u64,
 }
 
 impl Catalog {
-    /// Scans `root` with `threads` concurrent metadata workers.
-    pub fn scan(root: &Path, threads: usize) -> Result<Catalog, ScanError> {
-        scan::scan(root, threads)
+    /// Lists `root` with `walking.threads` concurrent listings.
+    pub fn scan(root: &Path, walking: Walking) -> Result<Catalog, ScanError> {
+        scan::scan(root, walking)
     }
 
     /// A catalog of one directory of files `f000000`, ... of `sizes`, without a file system.
@@ -201,10 +164,10 @@ impl Catalog {
     /// Builds the catalog of the tree `lister` describes (see [`Lister`]).
     pub fn scan_with(
         root: &Path,
-        lister: &dyn Lister,
-        threads: usize,
+        lister: std::sync::Arc<dyn Lister>,
+        walking: Walking,
     ) -> Result<Catalog, ScanError> {
-        scan::scan_with(root, lister, threads)
+        scan::scan_with(root, lister, walking)
     }
 
     pub fn root_path(&self) -> &Path {
@@ -221,7 +184,7 @@ impl Catalog {
     pub fn heap_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.names.capacity()
-            + self.owners.capacity() * 8
+            + self.seen.heap_bytes()
             + self
                 .link_targets
                 .iter()
@@ -233,12 +196,35 @@ impl Catalog {
         self.file_count
     }
 
-    pub fn total_file_bytes(&self) -> u64 {
-        self.total_file_bytes
-    }
-
+    /// Where `id` is and what kind it is; its attributes are [`Catalog::attributes`].
     pub fn entry(&self, id: FileId) -> Option<&Entry> {
         self.entries.get(id as usize)
+    }
+
+    /// `id`'s attributes, if the mount has seen them (they are fetched on first need and
+    /// kept: see [`Catalog::observe`]).
+    pub fn attributes(&self, id: FileId) -> Option<Attributes> {
+        self.seen.get(id)
+    }
+
+    /// `id`'s size, if known.
+    pub fn size(&self, id: FileId) -> Option<u64> {
+        self.attributes(id).map(|a| a.size)
+    }
+
+    /// SOURCE shows `now` for `id` (an `lstat`, or the `fstat` of the file opened). The first
+    /// sight is kept as its attributes and returned; a later one must still be the node first
+    /// seen, unchanged ([`Attributes::is_unchanged`]), and any sight must be of the kind the
+    /// listing said.
+    pub fn observe(&self, id: FileId, now: Attributes) -> Result<Attributes, Changed> {
+        if self.entry(id).map(|e| e.kind) != Some(now.kind) {
+            return Err(Changed::Retyped);
+        }
+        let kept = self.seen.keep(id, now);
+        match kept.is_unchanged(&now) {
+            true => Ok(kept),
+            false => Err(Changed::Rewritten),
+        }
     }
 
     pub fn name(&self, id: FileId) -> &OsStr {
@@ -268,11 +254,6 @@ impl Catalog {
             }
         }
         None
-    }
-
-    /// (uid, gid) of an entry.
-    pub fn owner(&self, e: &Entry) -> (u32, u32) {
-        self.owners.get(e.owner as usize).copied().unwrap_or((0, 0))
     }
 
     pub fn link_target(&self, id: FileId) -> Option<&OsStr> {
@@ -434,7 +415,7 @@ mod tests {
         for (name, target, _) in links {
             symlink(target, root.join("a").join(name)).unwrap();
         }
-        let catalog = Catalog::scan(root, 1).unwrap();
+        let catalog = Catalog::scan(root, Walking::threads(1)).unwrap();
         for (name, target, resolves) in links {
             let id = catalog.lookup_path(&Path::new("a").join(name)).unwrap();
             let kernel = std::fs::canonicalize(root.join("a").join(name)).is_ok();

@@ -1,33 +1,37 @@
-//! Building the catalog: a parallel walk of SOURCE.
+//! Building the catalog from directory listings alone: names and types (`d_type`), one
+//! listing per directory, and nothing asked about any file.
 //!
-//! Each metadata call to a parallel file system costs a network round trip, so directories
-//! are listed and their entries stat'ed by several workers at once; the tree is then laid
-//! out breadth-first on one thread so ids, and children ranges, come out deterministic.
+//! On a parallel file system every metadata call is a request to a metadata server that every
+//! job of the cluster shares: a scan that `lstat`ed each file cost one request per file per
+//! node. A listing already says what the dataset class needs (torchvision's ImageFolder never
+//! stats a file either), so the scan reads each directory's entries with their types, and the
+//! directory's own attributes (one `fstat` of the descriptor it lists), and nothing more;
+//! only an entry whose type the file system does not give (`DT_UNKNOWN`) is `lstat`ed, and a
+//! symlink's target read. A file's attributes are fetched when it is first used (see
+//! `attributes`). Directories are listed by several threads at once (see `walk`); the tree is
+//! then laid out breadth-first on one thread so ids, and children ranges, come out
+//! deterministic.
 //!
-//! Each directory is opened beneath SOURCE's root descriptor through no symlink, and its
-//! entries are `lstat`ed and their links read relative to its own descriptor: no call is
-//! given a full path, so a tree deeper than PATH_MAX is catalogued whole (it was silently
-//! missing), and a directory swapped for a link during the scan is not followed out of
-//! SOURCE.
+//! Each directory is opened beneath SOURCE's root descriptor through no symlink: no call is
+//! given a full path, so a tree deeper than PATH_MAX is catalogued whole, and a directory
+//! swapped for a link during the scan is not followed out of SOURCE.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
+use super::attributes::{Attributes, Seen};
+use super::walk::{Progress, WalkError, Walking, walk};
 use super::{Catalog, Entry, FileId, Kind, ROOT};
 use crate::sys;
-
-/// How often the scan reports progress: often enough to show it is alive on a slow file
-/// system, rarely enough not to flood a log.
-const PROGRESS_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScanError {
@@ -37,224 +41,229 @@ pub enum ScanError {
     NotADirectory(PathBuf),
     #[error("source has more entries (or longer names in total) than stagefs can index: at most {max} of each", max = u32::MAX)]
     TooManyEntries,
+    #[error(
+        "SOURCE has not answered for {secs} s (reading {path}): its file system seems hung; check it (ls {path}) and mount again"
+    )]
+    Stalled { path: PathBuf, secs: u64 },
 }
 
-/// What one directory listing yields for one child.
-pub struct Scanned {
+/// One entry of a directory listing.
+pub struct Listed {
     pub name: OsString,
-    pub kind: Kind,
-    pub perm: u16,
-    pub uid: u32,
-    pub gid: u32,
-    pub size: u64,
-    pub mtime_secs: i64,
-    pub mtime_nanos: u32,
-    /// See [`super::identity`].
-    pub identity: u64,
-    pub link_target: Option<OsString>,
+    /// Its type as the listing gives it; `None` where the file system does not say
+    /// (`DT_UNKNOWN`), which costs the entry one `lstat`.
+    pub kind: Option<Kind>,
 }
 
-/// Lists directories for a scan. The file system is the real one; the seam lets the scale
-/// benchmark build catalogs of 14 M synthetic entries without creating 14 M files.
-pub trait Lister: Sync {
-    /// The root directory itself.
-    fn root(&self) -> Scanned;
-    /// The children of `dir` (relative to the root; empty for the root).
-    fn list(&self, dir: &Path) -> Vec<Scanned>;
+/// A directory as one listing describes it.
+pub struct Listing {
+    /// The directory itself, as it was when its entries were read.
+    pub dir: Attributes,
+    pub entries: Vec<Listed>,
 }
 
-/// Lists a real directory tree, beneath its root's descriptor.
-struct FsLister<'a> {
-    root: &'a Path,
-    root_dir: File,
-    root_stat: libc::stat,
+/// SOURCE's metadata as a scan reads it: directory listings, and the few calls on single
+/// entries a scan makes. The file system is the real one; the seam lets the scale benchmark
+/// build catalogs of 14 M synthetic entries without creating them, and tests count (or fake)
+/// what a mount asks SOURCE. Paths are relative to SOURCE's root (empty for the root).
+pub trait Lister: Send + Sync {
+    /// The entries of directory `dir`, with the directory's own attributes taken before they
+    /// were read. `progress` ticks as entries come, so a slow listing is not taken for a hung
+    /// one.
+    fn list(&self, dir: &Path, progress: &Progress) -> io::Result<Listing>;
+    /// What `lstat` says of `path` (a link is described, not followed).
+    fn lstat(&self, path: &Path) -> io::Result<Attributes>;
+    /// The target of the symlink `path`.
+    fn readlink(&self, path: &Path) -> io::Result<OsString>;
 }
 
-impl Lister for FsLister<'_> {
-    fn root(&self) -> Scanned {
-        Scanned::from_stat(OsString::new(), &self.root_stat, None)
+/// Reads a real directory tree, beneath its root's descriptor.
+struct FsLister {
+    root: File,
+}
+
+impl Lister for FsLister {
+    fn list(&self, dir: &Path, progress: &Progress) -> io::Result<Listing> {
+        let fd = sys::open_beneath(self.root.as_fd(), dir, libc::O_RDONLY | libc::O_DIRECTORY)?;
+        // Before the entries: a change made while they are read moves the ctime past this.
+        let itself = Attributes::of_stat(&sys::lstat_at(fd.as_fd(), "".as_ref())?);
+        let mut entries = Vec::new();
+        sys::read_entries(fd.as_fd(), |name, d_type| {
+            progress.tick();
+            entries.push(Listed {
+                name,
+                kind: Kind::of_dirent(d_type),
+            });
+        })?;
+        Ok(Listing {
+            dir: itself,
+            entries,
+        })
     }
 
-    fn list(&self, dir: &Path) -> Vec<Scanned> {
-        list_directory(self.root_dir.as_fd(), dir, &self.root.join(dir))
+    fn lstat(&self, path: &Path) -> io::Result<Attributes> {
+        sys::lstat_beneath(self.root.as_fd(), path).map(|st| Attributes::of_stat(&st))
     }
-}
 
-impl Scanned {
-    /// The entry `name` as `lstat` (`st`) describes it.
-    pub fn from_stat(name: OsString, st: &libc::stat, link_target: Option<OsString>) -> Self {
-        let kind = Kind::of_mode(st.st_mode);
-        Scanned {
-            name,
-            kind,
-            perm: (st.st_mode & 0o7777) as u16,
-            uid: st.st_uid,
-            gid: st.st_gid,
-            // What the mount shows and the copy checks: directories' sizes are file-system
-            // specific, special files have no content to stage.
-            size: if matches!(kind, Kind::File | Kind::Symlink) {
-                st.st_size as u64
-            } else {
-                0
-            },
-            mtime_secs: st.st_mtime,
-            mtime_nanos: st.st_mtime_nsec as u32,
-            identity: super::identity_of(st.st_ino, st.st_ctime, st.st_ctime_nsec),
-            link_target,
-        }
+    fn readlink(&self, path: &Path) -> io::Result<OsString> {
+        sys::readlink_beneath(self.root.as_fd(), path)
     }
 }
 
-struct WorkQueue {
-    pending: VecDeque<PathBuf>,
-    /// Directories queued or being listed; the walk is over when this reaches zero.
-    outstanding: usize,
-}
-
-pub(super) fn scan(root: &Path, threads: usize) -> Result<Catalog, ScanError> {
-    let root_err = |source| ScanError::Root {
+/// The lister of the real tree at `root` (SOURCE's path itself may be a link, to the file
+/// system's mount say; nothing below it is followed).
+pub fn source_lister(root: &Path) -> Result<Arc<dyn Lister>, ScanError> {
+    let root_dir = File::open(root).map_err(|source| ScanError::Root {
         path: root.to_path_buf(),
         source,
-    };
-    // SOURCE's path itself may be a link (to the file system's mount, say); nothing below it.
-    let root_dir = File::open(root).map_err(root_err)?;
-    let root_stat = sys::lstat_at(root_dir.as_fd(), "".as_ref()).map_err(root_err)?;
-    if Kind::of_mode(root_stat.st_mode) != Kind::Directory {
-        return Err(ScanError::NotADirectory(root.to_path_buf()));
-    }
-    // Listing the root up front turns "unreadable SOURCE" into an error instead of an empty mount.
-    sys::list_names(root_dir.as_fd()).map_err(root_err)?;
-    let lister = FsLister {
-        root,
-        root_dir,
-        root_stat,
-    };
-    scan_with(root, &lister, threads)
+    })?;
+    Ok(Arc::new(FsLister { root: root_dir }))
 }
 
-/// Scans the tree `lister` describes, with `threads` concurrent listings, as rooted at `root`.
-pub fn scan_with(root: &Path, lister: &dyn Lister, threads: usize) -> Result<Catalog, ScanError> {
-    let queue = Mutex::new(WorkQueue {
-        pending: VecDeque::from([PathBuf::new()]),
-        outstanding: 1,
-    });
-    let wake = Condvar::new();
-    let listings: Mutex<HashMap<PathBuf, Vec<Scanned>>> = Mutex::new(HashMap::new());
-    let seen = AtomicU64::new(0);
+/// A directory as the scan keeps it until the tree is laid out: its attributes (unknown if it
+/// could not be listed) and its children.
+struct Scanned {
+    attributes: Option<Attributes>,
+    children: Vec<Child>,
+}
+
+/// One child of a listed directory.
+struct Child {
+    name: OsString,
+    kind: Kind,
+    /// Known only for an entry the scan had to `lstat` (its type unknown).
+    attributes: Option<Attributes>,
+    link_target: Option<OsString>,
+}
+
+/// Scans the real tree at `root`.
+pub(super) fn scan(root: &Path, walking: Walking) -> Result<Catalog, ScanError> {
+    scan_with(root, source_lister(root)?, walking)
+}
+
+/// Scans the tree `lister` describes, as rooted at `root`.
+pub fn scan_with(
+    root: &Path,
+    lister: Arc<dyn Lister>,
+    walking: Walking,
+) -> Result<Catalog, ScanError> {
     let started = Instant::now();
-    let last_report = Mutex::new(Instant::now());
-
-    std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            s.spawn(|| {
-                loop {
-                    let dir = {
-                        let mut q = queue.lock();
-                        loop {
-                            if let Some(d) = q.pending.pop_front() {
-                                break d;
-                            }
-                            if q.outstanding == 0 {
-                                return;
-                            }
-                            wake.wait(&mut q);
-                        }
-                    };
-                    let children = lister.list(&dir);
-                    let subdirs: Vec<PathBuf> = children
-                        .iter()
-                        .filter(|c| c.kind == Kind::Directory)
-                        .map(|c| dir.join(&c.name))
-                        .collect();
-                    let total = seen.fetch_add(children.len() as u64, Ordering::Relaxed)
-                        + children.len() as u64;
-                    listings.lock().insert(dir, children);
-                    {
-                        let mut q = queue.lock();
-                        q.outstanding += subdirs.len();
-                        q.outstanding -= 1;
-                        q.pending.extend(subdirs);
-                    }
-                    wake.notify_all();
-                    let mut last = last_report.lock();
-                    if last.elapsed() >= PROGRESS_INTERVAL {
-                        *last = Instant::now();
-                        log::info!(
-                            "scanning {}: {} entries in {:.0?}",
-                            root.display(),
-                            total,
-                            started.elapsed()
-                        );
-                    }
-                }
-            });
-        }
-    });
-
-    let catalog = assemble(root, lister.root(), listings.into_inner())?;
+    let scanned: Arc<Mutex<HashMap<PathBuf, Scanned>>> = Arc::default();
+    let into = scanned.clone();
+    let shown = root.to_path_buf();
+    let visit = move |dir: &PathBuf, progress: &Progress| {
+        let listed = list_directory(&*lister, dir, progress, &shown)?;
+        let subdirs = (listed.children.iter())
+            .filter(|c| c.kind == Kind::Directory)
+            .map(|c| dir.join(&c.name))
+            .collect();
+        into.lock().insert(dir.clone(), listed);
+        Ok(subdirs)
+    };
+    let what = format!("scanning {}", root.display());
+    walk(vec![PathBuf::new()], walking, &what, visit).map_err(|e| match e {
+        WalkError::Failed(e) => e,
+        WalkError::Stalled(waiting) => stalled(root, waiting, walking),
+    })?;
+    let scanned = std::mem::take(&mut *scanned.lock());
+    let catalog = assemble(root, scanned)?;
     log::info!(
-        "scanned {}: {} entries, {} files, {} bytes in {:.2?}",
+        "scanned {}: {} entries, {} files in {:.2?}",
         root.display(),
         catalog.len(),
         catalog.file_count,
-        catalog.total_file_bytes,
         started.elapsed()
     );
     Ok(catalog)
 }
 
-/// Lists directory `dir` (relative to `root`, shown as `shown`). An unreadable subdirectory
-/// shows up empty with a warning: one bad folder should not stop a mount of millions of files.
-fn list_directory(root: BorrowedFd<'_>, dir: &Path, shown: &Path) -> Vec<Scanned> {
-    let listed = sys::open_beneath(root, dir, libc::O_RDONLY | libc::O_DIRECTORY)
-        .and_then(|fd| Ok((sys::list_names(fd.as_fd())?, fd)));
-    let (names, fd) = match listed {
-        Ok(listed) => listed,
+/// The error of a walk of `root` that gave up waiting for `waiting`.
+pub(super) fn stalled(root: &Path, waiting: Vec<PathBuf>, walking: Walking) -> ScanError {
+    ScanError::Stalled {
+        path: root.join(waiting.into_iter().next().unwrap_or_default()),
+        secs: walking.stall.as_secs(),
+    }
+}
+
+/// Lists directory `dir` (relative to SOURCE `root`). An unreadable subdirectory shows up
+/// empty with a warning (one bad folder should not stop a mount of millions of files); an
+/// unreadable root is an error, not an empty mount.
+fn list_directory(
+    lister: &dyn Lister,
+    dir: &Path,
+    progress: &Progress,
+    root: &Path,
+) -> Result<Scanned, ScanError> {
+    let shown = root.join(dir);
+    let listing = match lister.list(dir, progress) {
+        Ok(listing) => listing,
+        Err(e) if dir.as_os_str().is_empty() => {
+            return Err(match e.raw_os_error() {
+                Some(libc::ENOTDIR) => ScanError::NotADirectory(root.to_path_buf()),
+                _ => ScanError::Root {
+                    path: root.to_path_buf(),
+                    source: e,
+                },
+            });
+        }
         Err(e) => {
             log::warn!(
                 "cannot list {}: {e}; it appears empty in the mount",
                 shown.display()
             );
-            return Vec::new();
+            return Ok(Scanned {
+                attributes: None,
+                children: Vec::new(),
+            });
         }
     };
-    let mut out = Vec::new();
-    for name in names {
+    let mut children = Vec::with_capacity(listing.entries.len());
+    for Listed { name, kind } in listing.entries {
+        let path = dir.join(&name);
         let left_out = |what: &str, e: io::Error| {
             log::warn!(
                 "cannot {what} {}: {e}; left out of the mount",
-                shown.join(&name).display()
+                root.join(&path).display()
             )
         };
-        let st = match sys::lstat_at(fd.as_fd(), &name) {
-            Ok(st) => st,
-            Err(e) => {
-                left_out("stat", e);
-                continue;
-            }
+        let (kind, attributes) = match kind {
+            Some(kind) => (kind, None),
+            None => match lister.lstat(&path) {
+                Ok(a) => (a.kind, Some(a)),
+                Err(e) => {
+                    left_out("stat", e);
+                    continue;
+                }
+            },
         };
-        let target = if Kind::of_mode(st.st_mode) == Kind::Symlink {
-            match sys::readlink_at(fd.as_fd(), &name) {
-                Ok(t) => Some(t),
+        let link_target = match kind {
+            Kind::Symlink => match lister.readlink(&path) {
+                Ok(target) => Some(target),
                 Err(e) => {
                     left_out("read link", e);
                     continue;
                 }
-            }
-        } else {
-            None
+            },
+            _ => None,
         };
-        out.push(Scanned::from_stat(name, &st, target));
+        children.push(Child {
+            name,
+            kind,
+            attributes,
+            link_target,
+        });
     }
-    out
+    Ok(Scanned {
+        attributes: Some(listing.dir),
+        children,
+    })
 }
 
 /// A catalog of one directory holding files `f000000`, `f000001`, ... of `sizes`, built
-/// without touching any file system (for the engine core's tests).
+/// without touching any file system, their attributes known (for the engine core's tests).
 #[cfg(test)]
 pub(crate) fn flat(sizes: &[u64]) -> Catalog {
-    let entry = |name: String, kind: Kind, size: u64| Scanned {
-        name: name.into(),
+    let attributes = |kind, size| Attributes {
         kind,
         perm: 0o644,
         uid: 0,
@@ -263,44 +272,63 @@ pub(crate) fn flat(sizes: &[u64]) -> Catalog {
         mtime_secs: 0,
         mtime_nanos: 0,
         identity: 0,
-        link_target: None,
     };
     let files = (sizes.iter().enumerate())
-        .map(|(i, &size)| entry(format!("f{i:06}"), Kind::File, size))
+        .map(|(i, &size)| Child {
+            name: format!("f{i:06}").into(),
+            kind: Kind::File,
+            attributes: Some(attributes(Kind::File, size)),
+            link_target: None,
+        })
         .collect();
-    let root = entry(String::new(), Kind::Directory, 0);
-    let listings = HashMap::from([(PathBuf::new(), files)]);
-    assemble(Path::new("/synthetic"), root, listings).expect("a small catalog")
+    let root = Scanned {
+        attributes: Some(attributes(Kind::Directory, 0)),
+        children: files,
+    };
+    let scanned = HashMap::from([(PathBuf::new(), root)]);
+    assemble(Path::new("/synthetic"), scanned).expect("a small catalog")
 }
 
 /// Lays the listings out breadth-first: the children of each directory get consecutive ids
 /// in name order, which is what makes lookup a binary search.
-fn assemble(
-    root: &Path,
-    root_scanned: Scanned,
-    mut listings: HashMap<PathBuf, Vec<Scanned>>,
-) -> Result<Catalog, ScanError> {
-    let total: usize = 1 + listings.values().map(Vec::len).sum::<usize>();
-    let name_bytes: usize = listings.values().flatten().map(|s| s.name.len()).sum();
+fn assemble(root: &Path, mut scanned: HashMap<PathBuf, Scanned>) -> Result<Catalog, ScanError> {
+    let total: usize = 1 + scanned.values().map(|s| s.children.len()).sum::<usize>();
+    let name_bytes: usize = (scanned.values())
+        .flat_map(|s| &s.children)
+        .map(|c| c.name.len())
+        .sum();
     if total > u32::MAX as usize || name_bytes > u32::MAX as usize {
         return Err(ScanError::TooManyEntries);
     }
     let mut catalog = Catalog {
         root_path: root.to_path_buf(),
         entries: Vec::with_capacity(total),
-        names: Vec::new(),
-        owners: Vec::new(),
+        names: Vec::with_capacity(name_bytes),
         link_targets: Vec::new(),
+        seen: Seen::new(total),
         file_count: 0,
-        total_file_bytes: 0,
     };
-    let mut owner_ids = HashMap::new();
-    push_entry(&mut catalog, &mut owner_ids, ROOT, root_scanned);
+    let root_child = Child {
+        name: OsString::new(),
+        kind: Kind::Directory,
+        attributes: None,
+        link_target: None,
+    };
+    push_entry(&mut catalog, ROOT, root_child);
 
     // (directory id, its relative path), in id order.
     let mut frontier: VecDeque<(FileId, PathBuf)> = VecDeque::from([(ROOT, PathBuf::new())]);
     while let Some((dir_id, dir_path)) = frontier.pop_front() {
-        let mut children = listings.remove(&dir_path).unwrap_or_default();
+        let Scanned {
+            attributes,
+            mut children,
+        } = scanned.remove(&dir_path).unwrap_or(Scanned {
+            attributes: None,
+            children: Vec::new(),
+        });
+        if let Some(a) = attributes {
+            catalog.seen.keep(dir_id, a);
+        }
         children.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
         let first = catalog.entries.len() as FileId;
         catalog.entries[dir_id as usize].first_child = first;
@@ -310,45 +338,30 @@ fn assemble(
             if child.kind == Kind::Directory {
                 frontier.push_back((id, dir_path.join(&child.name)));
             }
-            push_entry(&mut catalog, &mut owner_ids, dir_id, child);
+            push_entry(&mut catalog, dir_id, child);
         }
     }
     catalog.link_targets.sort_by_key(|(id, _)| *id);
-    catalog.entries.shrink_to_fit();
-    catalog.names.shrink_to_fit();
     Ok(catalog)
 }
 
-fn push_entry(
-    catalog: &mut Catalog,
-    owner_ids: &mut HashMap<(u32, u32), u32>,
-    parent: FileId,
-    s: Scanned,
-) {
+fn push_entry(catalog: &mut Catalog, parent: FileId, child: Child) {
     let id = catalog.entries.len() as FileId;
-    let name = s.name.as_bytes();
-    if s.kind == Kind::File {
+    let name = child.name.as_bytes();
+    if child.kind == Kind::File {
         catalog.file_count += 1;
-        catalog.total_file_bytes += s.size;
     }
-    if let Some(target) = s.link_target {
+    if let Some(target) = child.link_target {
         catalog.link_targets.push((id, target));
     }
-    let owner = *owner_ids.entry((s.uid, s.gid)).or_insert_with(|| {
-        catalog.owners.push((s.uid, s.gid));
-        catalog.owners.len() as u32 - 1
-    });
+    if let Some(a) = child.attributes {
+        catalog.seen.keep(id, a);
+    }
     catalog.entries.push(Entry {
         parent,
         name_offset: catalog.names.len() as u32,
         name_len: name.len() as u8,
-        kind: s.kind,
-        perm: s.perm,
-        owner,
-        size: s.size,
-        mtime_secs: s.mtime_secs,
-        mtime_nanos: s.mtime_nanos,
-        identity: s.identity,
+        kind: child.kind,
         first_child: 0,
         child_count: 0,
     });

@@ -1,4 +1,5 @@
-//! `stagefs index`: scan SOURCE once and save its catalog, so mounts start without a scan.
+//! `stagefs index`: list SOURCE once and save the listing, so every node's mount starts from
+//! it without listing SOURCE again (`stagefs mount --index`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -6,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 
-use crate::catalog::{Catalog, index};
+use crate::catalog::{Catalog, Walking, index};
 
 #[derive(Args, Debug)]
 pub struct IndexArgs {
@@ -15,7 +16,7 @@ pub struct IndexArgs {
     /// Where to write the index
     #[arg(short, long, default_value = "stagefs.index", value_name = "FILE")]
     pub output: PathBuf,
-    /// Concurrent directory scans (metadata calls to a parallel file system are slow)
+    /// Concurrent directory listings (metadata calls to a parallel file system are slow)
     #[arg(long, default_value_t = crate::daemon::defaults::SCAN_THREADS, value_name = "N", value_parser = super::mount::at_least_one())]
     pub scan_threads: usize,
 }
@@ -26,13 +27,12 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
     let source = std::fs::canonicalize(&args.source)
         .with_context(|| format!("source {}", args.source.display()))?;
     let started = Instant::now();
-    let catalog = Catalog::scan(&source, args.scan_threads)?;
+    let catalog = Catalog::scan(&source, Walking::threads(args.scan_threads))?;
     index::save(&catalog, &args.output)?;
     println!(
-        "indexed {} entries ({} files, {} bytes) of {} in {:.1?} into {}",
+        "indexed {} entries ({} files) of {} in {:.1?} into {}",
         catalog.len(),
         catalog.file_count(),
-        catalog.total_file_bytes(),
         source.display(),
         started.elapsed(),
         args.output.display()

@@ -98,8 +98,9 @@ pub struct MountArgs {
     /// Serve cache hits with pread in the daemon even where FUSE passthrough is available
     #[arg(long, help_heading = "Mount")]
     pub no_passthrough: bool,
-    /// Start from this saved catalog (`stagefs index`) instead of scanning SOURCE; it is checked
-    /// against SOURCE first [default: the one a previous mount kept in the cache, if still valid]
+    /// Start from this listing of SOURCE (`stagefs index`, one per job): each directory is
+    /// checked with one lstat and listed again only if it changed; it must be yours (or root's)
+    /// and writable by nobody else [default: the one a previous mount kept in the cache]
     #[arg(long, value_name = "FILE", help_heading = "Mount")]
     pub index: Option<PathBuf>,
     /// Log file of the detached daemon; a symbolic link is refused [default: CACHE/stagefs/stagefs.log]

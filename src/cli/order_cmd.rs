@@ -11,7 +11,7 @@ use clap::Args;
 use super::{LayoutArgs, SamplerArgs};
 use std::sync::Arc;
 
-use crate::catalog::{Catalog, Datasets};
+use crate::catalog::{Catalog, Datasets, Walking};
 use crate::order::SamplerKind;
 
 #[derive(Args, Debug)]
@@ -55,7 +55,10 @@ pub fn run(args: OrderArgs) -> anyhow::Result<()> {
     }
     let (len, dataset) = match &args.source {
         Some(dir) => {
-            let catalog = Arc::new(Catalog::scan(dir, 16)?);
+            let catalog = Arc::new(Catalog::scan(
+                dir,
+                Walking::threads(crate::daemon::defaults::SCAN_THREADS),
+            )?);
             let datasets = Datasets::new(catalog.clone(), args.layout.spec());
             let layout = datasets.at(args.layout.dataset_root())?;
             (layout.len() as u64, Some((catalog, layout)))

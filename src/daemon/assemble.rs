@@ -15,7 +15,7 @@ use super::lifecycle::RunningMount;
 use super::mounts::HeldMount;
 use super::{Capacity, Lookahead, MountConfig, MountError};
 use crate::cache::{CacheDir, index_path};
-use crate::catalog::{Catalog, Datasets, IndexError, LayoutSpec, ROOT, index};
+use crate::catalog::{Catalog, Datasets, LayoutSpec, ROOT, Walking, index};
 use crate::control::{ControlServer, Limits, MountControl};
 use crate::fs::{MountedDataset, StageFs};
 use crate::plan::{Plan, TrackerSettings};
@@ -46,7 +46,7 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
         source: e,
     })?;
     let cache_root = absolute_for_new(&config.cache)?;
-    let (catalog, scanned) = load_catalog(config, &source, &cache_root)?;
+    let (catalog, listed) = load_catalog(config, &source, &cache_root)?;
     let catalog = Arc::new(catalog);
     let (datasets, plan) = build_plan(config, &catalog)?;
     // Before the cache sizes its table of copies kept open by the limit.
@@ -56,7 +56,7 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     // Signals must be blocked before any long-lived thread exists so none of them takes a
     // SIGTERM (the scan's threads have ended by now).
     sys::TerminationSignals::block();
-    if scanned {
+    if listed {
         save_index_later(catalog.clone(), index_path(&cache_root));
     }
     let source_root = SourceRoot::open(&source).map_err(|e| MountError::Source {
@@ -81,35 +81,37 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
 }
 
 /// The catalog from `index`, else from the index a previous mount kept in the cache, else
-/// from a scan of SOURCE. Returns whether it was scanned (so the index should be saved).
+/// from a scan of SOURCE: an index is checked against SOURCE, one `lstat` per directory, and
+/// what changed listed again. Returns whether the cache's index should be written (SOURCE was
+/// listed without `--index`).
 fn load_catalog(
     config: &MountConfig,
     source: &Path,
     cache_root: &Path,
 ) -> Result<(Catalog, bool), MountError> {
-    let from_index = |path: &Path| -> Result<Catalog, IndexError> {
+    let walking = Walking::threads(config.scan_threads);
+    let from_index = |path: &Path| -> Result<(Catalog, usize), MountError> {
         let started = Instant::now();
-        let catalog = index::load(path, source)?;
-        index::check_fresh(&catalog, path, config.scan_threads)?;
+        let (catalog, relisted) = index::load(path, source)?.refresh(walking)?;
         log::info!(
             "loaded {} entries from index {} in {:.2?}",
             catalog.len(),
             path.display(),
             started.elapsed()
         );
-        Ok(catalog)
+        Ok((catalog, relisted))
     };
-    let (catalog, scanned) = match &config.index {
-        Some(path) => (from_index(path)?, false),
+    let (catalog, listed) = match &config.index {
+        Some(path) => (from_index(path)?.0, false),
         None => match index_path(cache_root) {
             kept if kept.exists() => match from_index(&kept) {
-                Ok(c) => (c, false),
+                Ok((c, relisted)) => (c, relisted > 0),
                 Err(e) => {
                     log::info!("not using the cache's index: {e}; scanning");
-                    (Catalog::scan(source, config.scan_threads)?, true)
+                    (Catalog::scan(source, walking)?, true)
                 }
             },
-            _ => (Catalog::scan(source, config.scan_threads)?, true),
+            _ => (Catalog::scan(source, walking)?, true),
         },
     };
     log::info!(
@@ -118,7 +120,7 @@ fn load_catalog(
         catalog.heap_bytes() as f64 / 1e6,
         catalog.heap_bytes() as f64 / catalog.len() as f64
     );
-    Ok((catalog, scanned))
+    Ok((catalog, listed))
 }
 
 /// The mount's datasets (its layout, and `--dataset`), and the node's stream over the one the
@@ -176,9 +178,8 @@ fn start_stager(
         stager.set_epoch(config.epoch);
     }
     log::info!(
-        "{} files ({} bytes); {} positions per epoch on this node; cache capacity {capacity} bytes",
+        "{} files; {} positions per epoch on this node; cache capacity {capacity} bytes",
         catalog.file_count(),
-        catalog.total_file_bytes(),
         plan.generation().epoch_len,
     );
     MountedDataset {
@@ -207,7 +208,7 @@ fn start_control(
     Ok(server)
 }
 
-/// Keeps a freshly scanned catalog for the next mount of this cache, off the start-up path.
+/// Keeps a freshly listed catalog for the next mount of this cache, off the start-up path.
 fn save_index_later(catalog: Arc<Catalog>, path: PathBuf) {
     std::thread::spawn(move || {
         if let Err(e) = index::save(&catalog, &path) {

@@ -1,9 +1,12 @@
 //! The file system itself, without FUSE: what each request is answered, as plain methods over
 //! the catalog and the stager, so its behaviour is tested without a mount (see `fs/tests.rs`).
 //!
-//! Metadata comes from the immutable [`Catalog`], file contents from whatever file the stager
-//! hands an open (a cache file, offered to the kernel for passthrough when it can be, or the
-//! source file). Inode numbers are catalog ids plus one (FUSE's root is 1, the catalog's 0).
+//! Names and kinds come from the immutable [`Catalog`]; an entry's attributes from the catalog
+//! too once the mount has seen it, else from SOURCE (one `lstat`, off the FUSE threads, kept
+//! from then on), so what `stat` shows is what SOURCE said, never a guess; file contents from
+//! whatever file the stager hands an open (a cache file, offered to the kernel for passthrough
+//! when it can be, or the source file). Inode numbers are catalog ids plus one (FUSE's root is
+//! 1, the catalog's 0).
 //! The kernel's part of an open (registering a backing file, granting the handle) goes through
 //! [`OpenReply`], so the FUSE adapter supplies the real one and tests a fake.
 
@@ -22,7 +25,7 @@ use super::offload::Offload;
 use super::opens::{OpenReply, Opens};
 use super::ops::OpCounts;
 use super::xattr::{Acls, Probes};
-use crate::catalog::{Catalog, Entry, FileId, Kind};
+use crate::catalog::{Attributes, Catalog, Entry, FileId, Kind};
 use crate::stager::{Opened, SourceRoot, Stager};
 use crate::stats::{Counters, Snapshot};
 
@@ -74,7 +77,8 @@ pub struct Attr {
 pub struct DirEntry<'a> {
     pub next: u64,
     pub name: &'a OsStr,
-    pub attr: Attr,
+    pub ino: u64,
+    pub kind: Kind,
 }
 
 /// SOURCE's file system figures, which the mount reports as its own.
@@ -130,6 +134,20 @@ fn ino(id: FileId) -> u64 {
     id as u64 + 1
 }
 
+/// What `stat` shows of entry `id` with attributes `a`.
+fn attr(id: FileId, a: &Attributes) -> Attr {
+    Attr {
+        ino: ino(id),
+        kind: a.kind,
+        size: a.size,
+        perm: a.perm,
+        nlink: if a.kind == Kind::Directory { 2 } else { 1 },
+        uid: a.uid,
+        gid: a.gid,
+        mtime: a.mtime(),
+    }
+}
+
 impl<B: Send + Sync + 'static> DatasetFs<B> {
     pub fn new(data: Arc<MountedDataset>) -> std::io::Result<DatasetFs<B>> {
         let figures = read_statfs(&data.source_root).ok();
@@ -179,39 +197,44 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
         self.data.catalog.entry(id(ino)).ok_or(FsError::NotFound)
     }
 
-    fn attr(&self, id: FileId, e: &Entry) -> Attr {
-        let (uid, gid) = self.data.catalog.owner(e);
-        Attr {
-            ino: ino(id),
-            kind: e.kind,
-            size: e.size,
-            perm: e.perm,
-            nlink: if e.kind == Kind::Directory { 2 } else { 1 },
-            uid,
-            gid,
-            mtime: e.mtime(),
-        }
-    }
-
     /// `name` in directory `parent`; `None` if the directory has no such entry (which the
-    /// kernel may remember: the dataset does not change while mounted).
-    pub fn lookup(&self, parent: u64, name: &OsStr) -> Result<Option<Attr>, FsError> {
-        // Answered from the catalog, never waiting: a lookup re-entering the mount from the
-        // daemon itself costs nothing, so it needs no refusal.
+    /// kernel may remember: the listing does not change while mounted).
+    pub fn lookup(&self, parent: u64, name: &OsStr, answer: Answer<Option<Attr>>) {
         let catalog = &self.data.catalog;
-        if let Some(id) = catalog.lookup(id(parent), name)
-            && let Some(e) = catalog.entry(id)
-        {
-            return Ok(Some(self.attr(id, e)));
-        }
-        match self.entry(parent)?.kind {
-            Kind::Directory => Ok(None),
-            _ => Err(FsError::NotFound),
+        match catalog.lookup(id(parent), name) {
+            Some(id) => self.attr_then(id, Box::new(move |attr| answer(attr.map(Some)))),
+            None => answer(match self.entry(parent).map(|e| e.kind) {
+                Ok(Kind::Directory) => Ok(None),
+                Ok(_) => Err(FsError::NotFound),
+                Err(e) => Err(e),
+            }),
         }
     }
 
-    pub fn getattr(&self, ino: u64) -> Result<Attr, FsError> {
-        Ok(self.attr(id(ino), self.entry(ino)?))
+    pub fn getattr(&self, ino: u64, answer: Answer<Attr>) {
+        match self.entry(ino) {
+            Ok(_) => self.attr_then(id(ino), answer),
+            Err(e) => answer(Err(e)),
+        }
+    }
+
+    /// `id`'s attributes to `answer`: at once if the mount has seen it, else once SOURCE says
+    /// (asked off the FUSE threads, bounded like every SOURCE call: a SOURCE that does not
+    /// answer in time gets EIO, and is asked again next time). A lookup re-entering the mount
+    /// from the daemon itself never waits on the mount: SOURCE is reached through no link.
+    fn attr_then(&self, id: FileId, answer: Answer<Attr>) {
+        if let Some(a) = self.data.catalog.attributes(id) {
+            return answer(Ok(attr(id, &a)));
+        }
+        let data = self.data.clone();
+        let fetch = move || match data.stager.attributes(id) {
+            Ok(a) => Ok(attr(id, &a)),
+            Err(e) => {
+                log::warn!("{e}");
+                Err(FsError::Open(e.open_error()))
+            }
+        };
+        self.offload.run(fetch, answer, || Err(FsError::Io));
     }
 
     pub fn readlink(&self, ino: u64) -> Result<&OsStr, FsError> {
@@ -327,10 +350,14 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             }
         }
         // Checked after the read: a write moves the ctime, which no one can set back, so an
-        // unchanged file now means these bytes are the catalogued version's.
+        // unchanged file now means these bytes are those of the version the mount has seen.
+        let catalog = &self.data.catalog;
         if let Opened::Source(file) = &handle.opened
-            && let Ok(entry) = self.entry(ino)
-            && !file.metadata().is_ok_and(|m| entry.is_unchanged(&m))
+            && !(file.metadata()).is_ok_and(|m| {
+                catalog
+                    .observe(id(ino), Attributes::of_metadata(&m))
+                    .is_ok()
+            })
         {
             log::warn!(
                 "{} changed on the source while open; the reader gets ESTALE (remount to see the new version)",
@@ -361,11 +388,11 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
     /// where it stopped.
     pub fn readdir(
         &self,
-        ino: u64,
+        dir_ino: u64,
         offset: u64,
     ) -> Result<impl Iterator<Item = DirEntry<'_>> + '_, FsError> {
-        let dir = id(ino);
-        let e = self.entry(ino)?;
+        let dir = id(dir_ino);
+        let e = self.entry(dir_ino)?;
         if e.kind != Kind::Directory {
             return Err(FsError::NotDir);
         }
@@ -380,7 +407,8 @@ impl<B: Send + Sync + 'static> DatasetFs<B> {
             .map(move |(i, (id, name))| DirEntry {
                 next: i as u64 + 1,
                 name,
-                attr: self.attr(id, catalog.entry(id).expect("listed")),
+                ino: ino(id),
+                kind: catalog.entry(id).expect("listed").kind,
             }))
     }
 

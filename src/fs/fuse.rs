@@ -30,9 +30,22 @@ use super::xattr::Xattr;
 use crate::catalog::Kind;
 use crate::stats::Snapshot;
 
-/// The dataset does not change while mounted, so the kernel may keep attributes and entries
-/// (positive and negative) for as long as it likes; a day bounds it in case it ever does.
+/// The listing does not change while mounted, and an entry's attributes once shown are kept,
+/// so the kernel may keep attributes and entries (positive and negative) for as long as it
+/// likes; a day bounds it in case it ever does.
 const TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// The attributes of a negative entry (inode 0), which the kernel does not read.
+const NO_ENTRY: Attr = Attr {
+    ino: 0,
+    kind: Kind::File,
+    size: 0,
+    perm: 0,
+    nlink: 0,
+    uid: 0,
+    gid: 0,
+    mtime: SystemTime::UNIX_EPOCH,
+};
 
 pub struct StageFs {
     core: DatasetFs<BackingId>,
@@ -179,27 +192,23 @@ impl Filesystem for StageFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.count(Op::Lookup);
-        match self.core.lookup(parent.0, name) {
+        let answer = Box::new(move |answer| match answer {
             Ok(Some(attr)) => reply.entry(&TTL, &file_attr(&attr), Generation(0)),
-            // A zero-inode entry tells the kernel to cache the negative lookup for TTL.
-            Ok(None) => match self.core.getattr(parent.0) {
-                Ok(parent) => {
-                    let mut attr = file_attr(&parent);
-                    attr.ino = INodeNo(0);
-                    reply.entry(&TTL, &attr, Generation(0))
-                }
-                Err(e) => reply.error(errno(e)),
-            },
+            // A zero-inode entry tells the kernel to cache the negative lookup for TTL (it
+            // reads no attributes from it).
+            Ok(None) => reply.entry(&TTL, &file_attr(&NO_ENTRY), Generation(0)),
             Err(e) => reply.error(errno(e)),
-        }
+        });
+        self.core.lookup(parent.0, name, answer);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         self.count(Op::Getattr);
-        match self.core.getattr(ino.0) {
+        let answer = Box::new(move |answer| match answer {
             Ok(attr) => reply.attr(&TTL, &file_attr(&attr)),
             Err(e) => reply.error(errno(e)),
-        }
+        });
+        self.core.getattr(ino.0, answer);
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
@@ -301,31 +310,7 @@ impl Filesystem for StageFs {
         match self.core.readdir(ino.0, offset) {
             Ok(entries) => {
                 for e in entries {
-                    let kind = file_type(e.attr.kind);
-                    if reply.add(INodeNo(e.attr.ino), e.next, kind, e.name) {
-                        break;
-                    }
-                }
-                reply.ok();
-            }
-            Err(e) => reply.error(errno(e)),
-        }
-    }
-
-    fn readdirplus(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectoryPlus,
-    ) {
-        self.count(Op::Readdirplus);
-        match self.core.readdir(ino.0, offset) {
-            Ok(entries) => {
-                for e in entries {
-                    let attr = file_attr(&e.attr);
-                    if reply.add(attr.ino, e.next, e.name, &TTL, &attr, Generation(0)) {
+                    if reply.add(INodeNo(e.ino), e.next, file_type(e.kind), e.name) {
                         break;
                     }
                 }
@@ -387,7 +372,10 @@ impl Filesystem for StageFs {
     // the kernel answers EROFS itself and never sends those requests (after a forced `remount,rw`
     // they would get fuser's ENOSYS or EPERM, still writing nothing). Of the rest, the kernel
     // remembers ENOSYS to fsyncdir, poll and lseek (SEEK_DATA/SEEK_HOLE) and stops asking;
-    // locks stay local (no FUSE_POSIX_LOCKS), bmap is for block-device mounts only.
+    // locks stay local (no FUSE_POSIX_LOCKS), bmap is for block-device mounts only. READDIRPLUS
+    // is never sent (the mount does not ask for FUSE_DO_READDIRPLUS): it would need every
+    // listed entry's attributes, which cost SOURCE one `lstat` each; READDIR and a LOOKUP of
+    // what is used cost only what is used.
     unanswered! {
         setattr(
             INodeNo, Option<u32>, Option<u32>, Option<u32>, Option<u64>, Option<TimeOrNow>,
@@ -405,6 +393,7 @@ impl Filesystem for StageFs {
             INodeNo, FileHandle, u64, &[u8], WriteFlags, OpenFlags, Option<LockOwner>
         ) ReplyWrite => Write, ENOSYS;
         fsyncdir(INodeNo, FileHandle, bool) ReplyEmpty => Fsyncdir, ENOSYS;
+        readdirplus(INodeNo, FileHandle, u64) ReplyDirectoryPlus => Readdirplus, ENOSYS;
         setxattr(INodeNo, &OsStr, &[u8], i32, u32) ReplyEmpty => Setxattr, ENOSYS;
         removexattr(INodeNo, &OsStr) ReplyEmpty => Removexattr, ENOSYS;
         create(INodeNo, &OsStr, u32, u32, i32) ReplyCreate => Create, ENOSYS;

@@ -9,13 +9,13 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::access::Caller;
-use super::dataset::{Answer as Reply, DatasetFs, MountedDataset};
+use super::dataset::{Answer as Reply, Attr, DatasetFs, MountedDataset};
 use super::error::FsError;
 use super::opens::tests::{Answer, FakeBacking, FakeReply};
 use super::xattr::Xattr;
 use super::{STATE_XATTR, STATS_XATTR};
 use crate::cache::CacheDir;
-use crate::catalog::{Catalog, Datasets, Kind, LayoutKind, LayoutSpec, ROOT};
+use crate::catalog::{Attributes, Catalog, Datasets, Kind, LayoutKind, LayoutSpec, ROOT, Walking};
 use crate::order::{SamplerConfig, SamplerKind};
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, Source, SourceRoot, Stager, StagerSettings};
@@ -55,7 +55,7 @@ fn fixture_with(
     std::os::unix::fs::symlink("a/one.bin", src.join("link")).unwrap();
     // Kept bound only long enough to leave the socket node behind.
     drop(std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap());
-    let catalog = Arc::new(Catalog::scan(&src, 2).unwrap());
+    let catalog = Arc::new(Catalog::scan(&src, Walking::threads(2)).unwrap());
     let spec = LayoutSpec {
         kind: LayoutKind::Tree,
         ..LayoutSpec::default()
@@ -113,7 +113,7 @@ fn me() -> Caller {
 impl Fixture {
     fn ino(&self, path: &str) -> u64 {
         Path::new(path).iter().fold(ROOT_INO, |dir, name| {
-            self.fs.lookup(dir, name).unwrap().expect("exists").ino
+            self.fs.lookup_now(dir, name).unwrap().expect("exists").ino
         })
     }
 
@@ -173,6 +173,14 @@ fn answered<T: Send + 'static>(ask: impl FnOnce(Reply<T>)) -> Result<T, FsError>
 }
 
 impl Core {
+    fn lookup_now(&self, parent: u64, name: &OsStr) -> Result<Option<Attr>, FsError> {
+        answered(|reply| self.lookup(parent, name, reply))
+    }
+
+    fn getattr_now(&self, ino: u64) -> Result<Attr, FsError> {
+        answered(|reply| self.getattr(ino, reply))
+    }
+
     fn getxattr_now(
         &self,
         ino: u64,
@@ -195,19 +203,22 @@ impl Core {
 #[test]
 fn lookup_and_getattr_come_from_the_catalog() {
     let f = fixture(u64::MAX);
-    let a = f.fs.lookup(ROOT_INO, OsStr::new("a")).unwrap().unwrap();
+    let a = f.fs.lookup_now(ROOT_INO, OsStr::new("a")).unwrap().unwrap();
     assert_eq!((a.kind, a.nlink), (Kind::Directory, 2));
-    let one = f.fs.lookup(a.ino, OsStr::new("one.bin")).unwrap().unwrap();
+    let one =
+        f.fs.lookup_now(a.ino, OsStr::new("one.bin"))
+            .unwrap()
+            .unwrap();
     assert_eq!((one.kind, one.size, one.nlink), (Kind::File, 14, 1));
     let meta = std::fs::metadata(f.src.join("a/one.bin")).unwrap();
     use std::os::unix::fs::MetadataExt;
     assert_eq!(one.perm as u32, meta.mode() & 0o7777);
     assert_eq!((one.uid, one.gid), (meta.uid(), meta.gid()));
     assert_eq!(one.mtime, meta.modified().unwrap());
-    assert_eq!(f.fs.getattr(one.ino).unwrap(), one);
-    assert_eq!(f.fs.getattr(ROOT_INO).unwrap().kind, Kind::Directory);
+    assert_eq!(f.fs.getattr_now(one.ino).unwrap(), one);
+    assert_eq!(f.fs.getattr_now(ROOT_INO).unwrap().kind, Kind::Directory);
     let link = f.ino("link");
-    assert_eq!(f.fs.getattr(link).unwrap().kind, Kind::Symlink);
+    assert_eq!(f.fs.getattr_now(link).unwrap().kind, Kind::Symlink);
     assert_eq!(f.fs.readlink(link).unwrap(), "a/one.bin");
     assert_eq!(f.fs.readlink(one.ino).unwrap_err().errno(), libc::EINVAL);
 }
@@ -215,13 +226,13 @@ fn lookup_and_getattr_come_from_the_catalog() {
 #[test]
 fn missing_names_are_negative_in_directories_and_enoent_elsewhere() {
     let f = fixture(u64::MAX);
-    assert_eq!(f.fs.lookup(ROOT_INO, OsStr::new("nope")).unwrap(), None);
+    assert_eq!(f.fs.lookup_now(ROOT_INO, OsStr::new("nope")).unwrap(), None);
     let one = f.ino("a/one.bin");
     let err = |r: Result<Option<_>, FsError>| r.unwrap_err().errno();
-    assert_eq!(err(f.fs.lookup(one, OsStr::new("x"))), libc::ENOENT);
-    assert_eq!(err(f.fs.lookup(1 << 40, OsStr::new("x"))), libc::ENOENT);
+    assert_eq!(err(f.fs.lookup_now(one, OsStr::new("x"))), libc::ENOENT);
+    assert_eq!(err(f.fs.lookup_now(1 << 40, OsStr::new("x"))), libc::ENOENT);
     for ino in [1 << 40, 0xffff] {
-        assert_eq!(f.fs.getattr(ino).unwrap_err().errno(), libc::ENOENT);
+        assert_eq!(f.fs.getattr_now(ino).unwrap_err().errno(), libc::ENOENT);
     }
 }
 
@@ -340,7 +351,7 @@ fn readdir_offsets_resume_exactly() {
     let all: Vec<(u64, String, u64)> =
         f.fs.readdir(b, 0)
             .unwrap()
-            .map(|e| (e.next, e.name.to_str().unwrap().to_string(), e.attr.ino))
+            .map(|e| (e.next, e.name.to_str().unwrap().to_string(), e.ino))
             .collect();
     let names: Vec<&str> = all.iter().map(|(_, n, _)| n.as_str()).collect();
     assert_eq!(names, [".", "..", "x.bin", "y.bin", "z.bin"]);
@@ -499,6 +510,10 @@ impl Source for ReentrantSource {
             let _ = tx.send(answers.collect());
         }
         self.real.open(path)
+    }
+
+    fn lstat(&self, path: &Path) -> std::io::Result<Attributes> {
+        self.real.lstat(path)
     }
 }
 

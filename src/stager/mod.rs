@@ -41,14 +41,14 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use self::core::{Answer, Core, Effects, FileState, Wake};
 use crate::cache::{CacheDir, OpenCopy};
-use crate::catalog::{Catalog, Datasets, FileId};
+use crate::catalog::{Attributes, Catalog, Datasets, FileId};
 use crate::order::SamplerKind;
 use crate::plan::{FedChange, Generation, Plan, Prediction, StreamKey, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use detection::Detector;
 pub use detection::{DetectionState, JobRank};
 pub use eviction::EvictionKind;
-pub use source::{LocalSource, Source, SourceError, SourceRoot, open_verified};
+pub use source::{LocalSource, Source, SourceError, SourceRoot, attributes, open_verified};
 
 #[derive(Clone, Debug)]
 pub struct StagerSettings {
@@ -236,6 +236,12 @@ impl Stager {
     /// [`wants_job_ranks`](Self::wants_job_ranks)).
     pub fn observe_open(&self, file: FileId, rank: JobRank, opener: u32) {
         self.inner.observe_open(file, rank, opener);
+    }
+
+    /// The attributes of catalog entry `id`: kept if the mount has seen it, else read from
+    /// SOURCE now (one `lstat`) and kept. Blocks on SOURCE: never call it on a FUSE thread.
+    pub fn attributes(&self, id: FileId) -> Result<Attributes, SourceError> {
+        source::attributes(&*self.inner.source, &self.inner.catalog, id)
     }
 
     /// Whether thread `tid` is one of the copy threads.
@@ -490,7 +496,7 @@ impl Inner {
     /// Opens `file` on SOURCE for a reader (read-through, or no room to stage it).
     fn open_source(&self, file: FileId) -> OpenResult {
         match source::open_verified(&*self.source, &self.catalog, file) {
-            Ok(f) => Ok(Opened::Source(f)),
+            Ok((f, _)) => Ok(Opened::Source(f)),
             Err(e) => {
                 log::warn!("{e}");
                 Err(e.open_error())

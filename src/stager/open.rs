@@ -7,14 +7,31 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::core::{Effects, FileState, Miss};
+use super::source::{self, SourceError};
 use super::{Inner, OpenCallback, Opened};
-use crate::cache::OpenCopy;
+use crate::cache::{CacheError, OpenCopy};
 use crate::catalog::FileId;
 use crate::stats::Counters;
+
+/// Why a previous mount's copy is not served.
+#[derive(Debug, thiserror::Error)]
+enum NotReused {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
 
 impl Inner {
     fn open_cached(&self, file: FileId) -> std::io::Result<Arc<OpenCopy>> {
         self.cache.open_cached(&self.catalog, file)
+    }
+
+    /// A previous mount's copy of `file`, opened if it is a copy of the source file as it is
+    /// now (one `lstat` of it, unless the mount has seen it already) with its bytes intact.
+    fn verify_reused(&self, file: FileId) -> Result<Arc<OpenCopy>, NotReused> {
+        let now = source::attributes(&*self.source, &self.catalog, file)?;
+        Ok(self.cache.open_verified(&self.catalog, file, &now)?)
     }
 
     pub(super) fn open(self: &Arc<Self>, file: FileId, reply: OpenCallback) {
@@ -29,10 +46,10 @@ impl Inner {
         let mut core = self.core.lock();
         let slot = core.opened(file, started, &mut effects);
         if core.is_unverified(file) {
-            // A previous mount's copy: its bytes are checked before any is served, reading
-            // the file without the lock held.
+            // A previous mount's copy: it must be of the source file's version now, and its
+            // bytes are checked before any is served, without the lock held.
             drop(core);
-            let verified = self.cache.open_verified(&self.catalog, file);
+            let verified = self.verify_reused(file);
             core = self.core.lock();
             if let Err(e) = &verified
                 && core.is_unverified(file)

@@ -11,7 +11,7 @@ use std::time::Instant;
 use proptest::prelude::*;
 
 use super::*;
-use crate::catalog::{Datasets, LayoutKind, LayoutSpec, ROOT};
+use crate::catalog::{Attributes, Datasets, LayoutKind, LayoutSpec, ROOT, Walking};
 use crate::order::{SamplerConfig, SamplerKind};
 use crate::plan::{Order, TrackerSettings};
 
@@ -65,6 +65,10 @@ impl Source for FlakySource {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
         self.real.open(path)
+    }
+
+    fn lstat(&self, path: &Path) -> std::io::Result<Attributes> {
+        self.real.lstat(path)
     }
 }
 
@@ -128,7 +132,7 @@ impl Setup {
             std::fs::write(&p, content(i, size)).unwrap();
             sizes.push(size);
         }
-        let catalog = Arc::new(Catalog::scan(&src, 2).unwrap());
+        let catalog = Arc::new(Catalog::scan(&src, Walking::threads(2)).unwrap());
         let datasets = tree_datasets(&catalog);
         let layout = datasets.get(ROOT).unwrap();
         let plan = Arc::new(Plan::new(self.sampler, self.ranks, layout, catalog.len()).unwrap());
@@ -154,6 +158,11 @@ impl Setup {
             source.failing.lock().insert(path, u32::MAX);
         }
         if let Some(change) = self.change_source {
+            // The mount has seen every file (as the job's lookups show them to it): what
+            // changes now changes under it.
+            for f in catalog.files() {
+                attributes(&*source, &catalog, f).unwrap();
+            }
             change(&src, &catalog);
         }
         let counters = Arc::new(Counters::default());
@@ -735,7 +744,7 @@ fn a_remount_reuses_complete_files_and_drops_leftovers() {
     h.read_epoch(1, 8, 2, Duration::ZERO);
     assert_eq!(h.get(&h.counters.hits), 79);
     assert_eq!(h.get(&h.counters.staged_files), 1);
-    let size = h.catalog.entry(tampered).unwrap().size;
+    let size = h.catalog.size(tampered).unwrap();
     assert_eq!(h.get(&h.counters.source_bytes), size);
 
     // A later mount with a smaller --cache-size keeps only what fits.

@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 use parking_lot::MutexGuard;
 
 use super::backoff;
-use super::core::Effects;
+use super::core::{Effects, Job};
 use super::source::{self, SourceError};
 use super::{Inner, OpenError};
 use crate::cache::CopyError;
-use crate::catalog::FileId;
 
 /// How long an idle copy thread sleeps before it looks for work on its own (it is woken when
 /// work comes; this only bounds a missed wake-up).
@@ -44,7 +43,7 @@ impl Inner {
             }
             self.apply(core, effects);
             if let Some(job) = job {
-                let result = self.copy_with_retries(job.file);
+                let result = self.copy_with_retries(job);
                 core = self.core.lock();
                 let effects = core.copied(job, result, Instant::now());
                 self.apply(core, effects);
@@ -53,13 +52,26 @@ impl Inner {
         }
     }
 
-    /// Copies `file` into the cache, retrying what a failing file system may get right next
-    /// time; a changed file or a full cache is not retried.
-    fn copy_with_retries(&self, file: FileId) -> Result<u64, CopyError> {
+    /// Copies `job`'s file into the cache, retrying what a failing file system may get right
+    /// next time; a changed file or a full cache is not retried.
+    fn copy_with_retries(self: &Arc<Self>, job: Job) -> Result<u64, CopyError> {
+        let (file, mut has_room) = (job.file, job.has_room);
         let mut attempt = 0;
         loop {
             let staged = match source::open_verified(&*self.source, &self.catalog, file) {
-                Ok(f) => self.cache.stage(f, &self.catalog, file, &self.shutdown),
+                Ok((f, attributes)) => {
+                    if !has_room {
+                        has_room = self.run(|core| {
+                            let mut effects = Effects::default();
+                            (core.admit(job, attributes.size, &mut effects), effects)
+                        });
+                        if !has_room {
+                            return Err(CopyError::NoRoom);
+                        }
+                    }
+                    self.cache
+                        .stage(f, &attributes, &self.catalog, file, &self.shutdown)
+                }
                 Err(SourceError::Changed {
                     path,
                     error: OpenError::Gone,

@@ -166,46 +166,76 @@ fn open_walking(dir: BorrowedFd<'_>, relative: &Path, flags: i32) -> io::Result<
     }
 }
 
-/// The names in directory `dir` (opened for reading), without `.` and `..`.
-pub fn list_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
-    // SAFETY: dup of a descriptor we borrow; fdopendir below takes the copy.
-    let copy = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-    if copy < 0 {
+/// Reads the entries of directory `dir` (opened for reading), `.` and `..` left out: `each`
+/// gets every name with its `d_type` (`DT_UNKNOWN` where the file system does not say), in the
+/// order the file system gives them. Straight from getdents64: `readdir` would `fstat` the
+/// directory first (fdopendir does), one request more per directory on a network file system.
+pub fn read_entries(dir: BorrowedFd<'_>, mut each: impl FnMut(OsString, u8)) -> io::Result<()> {
+    // From the start, whatever an earlier listing through this descriptor left.
+    // SAFETY: lseek on a valid descriptor.
+    if unsafe { libc::lseek(dir.as_raw_fd(), 0, libc::SEEK_SET) } < 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: `copy` is a new descriptor; on success the stream owns it.
-    let stream = unsafe { libc::fdopendir(copy) };
-    if stream.is_null() {
-        let e = io::Error::last_os_error();
-        // SAFETY: fdopendir failed, so `copy` is still ours to close.
-        unsafe { libc::close(copy) };
-        return Err(e);
+    let mut buf = vec![0u8; DIRENT_BUFFER];
+    loop {
+        // SAFETY: a valid descriptor and a buffer of the length passed, which the kernel fills
+        // with whole `linux_dirent64` records.
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_getdents64,
+                dir.as_raw_fd(),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        match n {
+            0 => return Ok(()),
+            n if n < 0 => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::Interrupted => continue,
+                e => return Err(e),
+            },
+            n => parse_dirents(&buf[..n as usize], &mut each)?,
+        }
     }
-    // From the start, whatever an earlier listing through another copy left.
-    // SAFETY: a valid stream.
-    unsafe { libc::rewinddir(stream) };
-    let mut names = Vec::new();
-    let result = loop {
-        // SAFETY: errno is thread-local; readdir reports errors only through it.
-        unsafe { *libc::__errno_location() = 0 };
-        // SAFETY: a valid stream, used by this thread alone.
-        let entry = unsafe { libc::readdir64(stream) };
-        if entry.is_null() {
-            break match io::Error::last_os_error() {
-                e if e.raw_os_error() == Some(0) => Ok(()),
-                e => Err(e),
-            };
-        }
-        // SAFETY: readdir returned an entry whose d_name is NUL-terminated, valid until the
-        // next call on this stream.
-        let name = unsafe { std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()) }.to_bytes();
+}
+
+/// Bytes asked of getdents64 at a time: a few hundred entries per call.
+const DIRENT_BUFFER: usize = 32 * 1024;
+
+/// The `linux_dirent64` records in `records` (d_ino u64, d_off i64, d_reclen u16, d_type u8,
+/// then the NUL-terminated name), each but `.` and `..` given to `each`.
+fn parse_dirents(mut records: &[u8], each: &mut impl FnMut(OsString, u8)) -> io::Result<()> {
+    const NAME_AT: usize = 19;
+    let malformed = || io::Error::from_raw_os_error(libc::EIO);
+    while !records.is_empty() {
+        let len = records
+            .get(16..18)
+            .map(|b| u16::from_ne_bytes([b[0], b[1]]) as usize)
+            .filter(|&len| len > NAME_AT && len <= records.len())
+            .ok_or_else(malformed)?;
+        let (record, rest) = records.split_at(len);
+        let name = &record[NAME_AT..];
+        let name = &name[..name.iter().position(|&b| b == 0).ok_or_else(malformed)?];
         if name != b"." && name != b".." {
-            names.push(OsString::from_vec(name.to_vec()));
+            each(OsString::from_vec(name.to_vec()), record[18]);
         }
-    };
-    // SAFETY: the stream is ours; closing it closes `copy`.
-    unsafe { libc::closedir(stream) };
-    result.map(|()| names)
+        records = rest;
+    }
+    Ok(())
+}
+
+/// `lstat` of `relative` beneath `dir`, reached as [`open_beneath`] reaches it: through no
+/// symlink, not above `dir` (ELOOP, EXDEV); a link in the last component is described, not
+/// followed.
+pub fn lstat_beneath(dir: BorrowedFd<'_>, relative: &Path) -> io::Result<libc::stat> {
+    let node = open_beneath(dir, relative, libc::O_PATH)?;
+    lstat_at(node.as_fd(), OsStr::new(""))
+}
+
+/// The target of the symlink at `relative` beneath `dir`, reached as [`lstat_beneath`] does.
+pub fn readlink_beneath(dir: BorrowedFd<'_>, relative: &Path) -> io::Result<OsString> {
+    let link = open_beneath(dir, relative, libc::O_PATH)?;
+    readlink_at(link.as_fd(), OsStr::new(""))
 }
 
 /// `lstat` of `name` in directory `dir` (a symlink is described, not followed); an empty
@@ -222,8 +252,9 @@ pub fn lstat_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<libc::stat> {
     Ok(st)
 }
 
-/// The target of symlink `name` in directory `dir`.
-pub fn readlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OsString> {
+/// The target of symlink `name` in directory `dir` (an empty name: the link `dir` itself, opened
+/// with `O_PATH`).
+fn readlink_at(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<OsString> {
     let c = c_path(Path::new(name))?;
     let mut buf = vec![0u8; PATH_MAX];
     // SAFETY: a valid directory fd, a NUL-terminated name and a buffer of the length given.
@@ -291,6 +322,12 @@ mod tests {
         relative
     }
 
+    fn names(dir: BorrowedFd<'_>) -> Vec<OsString> {
+        let mut names = Vec::new();
+        read_entries(dir, |name, _| names.push(name)).unwrap();
+        names
+    }
+
     #[test]
     fn paths_longer_than_path_max_open_in_pieces() {
         let tmp = tempfile::tempdir().unwrap();
@@ -302,10 +339,7 @@ mod tests {
         io::Read::read_to_string(&mut std::fs::File::from(file), &mut content).unwrap();
         assert_eq!(content, "deep");
         let dir = open_beneath(root.as_fd(), &bottom, libc::O_RDONLY | libc::O_DIRECTORY);
-        assert_eq!(
-            list_names(dir.unwrap().as_fd()).unwrap(),
-            vec![OsString::from("f")]
-        );
+        assert_eq!(names(dir.unwrap().as_fd()), vec![OsString::from("f")]);
         // Every piece is beneath the one before: a link on the way is still refused.
         let mut middle = bottom.clone();
         for _ in 0..10 {
@@ -319,6 +353,49 @@ mod tests {
         symlink(&moved, at.join(name)).unwrap();
         let err = open_beneath(root.as_fd(), &bottom.join("f"), libc::O_RDONLY).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ELOOP), "{err}");
+    }
+
+    /// A directory larger than one getdents64 buffer is read whole, each entry once; records
+    /// that do not parse are an error, never a panic or an endless loop.
+    #[test]
+    fn a_large_directory_is_listed_whole_and_bad_records_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let count = 3000;
+        for i in 0..count {
+            std::fs::write(tmp.path().join(format!("{i:0>60}")), b"").unwrap();
+        }
+        let dir = open_beneath(
+            open_directory(tmp.path()).unwrap().as_fd(),
+            Path::new(""),
+            libc::O_RDONLY | libc::O_DIRECTORY,
+        )
+        .unwrap();
+        let mut listed = names(dir.as_fd());
+        listed.sort();
+        listed.dedup();
+        assert_eq!(listed.len(), count);
+        assert!(count * 80 > DIRENT_BUFFER, "more than one buffer");
+        assert_eq!(
+            names(dir.as_fd()).len(),
+            count,
+            "listed again from the start"
+        );
+        let mut record = vec![0u8; 24];
+        record[16..18].copy_from_slice(&24u16.to_ne_bytes());
+        record[19..22].copy_from_slice(b"abc");
+        let mut got = Vec::new();
+        parse_dirents(&record, &mut |n, _| got.push(n)).unwrap();
+        assert_eq!(got, vec![OsString::from("abc")]);
+        for bad in [&record[..10], &record[..20]] {
+            assert!(parse_dirents(bad, &mut |_, _| ()).is_err());
+        }
+        record[19..24].copy_from_slice(b"abcde");
+        assert!(parse_dirents(&record, &mut |_, _| ()).is_err(), "no NUL");
+        record[16..18].copy_from_slice(&0u16.to_ne_bytes());
+        assert!(
+            parse_dirents(&record, &mut |_, _| ()).is_err(),
+            "zero length"
+        );
     }
 
     #[test]
@@ -354,13 +431,21 @@ mod tests {
             libc::O_RDONLY | libc::O_DIRECTORY,
         )
         .unwrap();
-        let mut names = list_names(dir.as_fd()).unwrap();
-        names.sort();
-        assert_eq!(names, vec![OsString::from("a"), OsString::from("l")]);
+        let mut entries = Vec::new();
+        read_entries(dir.as_fd(), |name, kind| entries.push((name, kind))).unwrap();
+        entries.sort();
+        assert_eq!(
+            entries,
+            vec![
+                (OsString::from("a"), libc::DT_REG),
+                (OsString::from("l"), libc::DT_LNK)
+            ]
+        );
         assert_eq!(lstat_at(dir.as_fd(), OsStr::new("a")).unwrap().st_size, 3);
-        let link = lstat_at(dir.as_fd(), OsStr::new("l")).unwrap();
+        let root = open_directory(tmp.path()).unwrap();
+        let link = lstat_beneath(root.as_fd(), Path::new("l")).unwrap();
         assert_eq!(link.st_mode & libc::S_IFMT, libc::S_IFLNK);
-        assert_eq!(readlink_at(dir.as_fd(), OsStr::new("l")).unwrap(), "a");
+        assert_eq!(readlink_beneath(root.as_fd(), Path::new("l")).unwrap(), "a");
         let itself = lstat_at(dir.as_fd(), OsStr::new("")).unwrap();
         assert_eq!(itself.st_mode & libc::S_IFMT, libc::S_IFDIR);
     }

@@ -32,7 +32,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 pub use beneath::{
-    faccessat2, list_names, lstat_at, open_beneath, open_directory, openat2, readlink_at,
+    faccessat2, lstat_at, lstat_beneath, open_beneath, open_directory, openat2, read_entries,
+    readlink_beneath,
 };
 pub use child::{ChildError, getxattr_in_child, open_in_child};
 pub use credentials::{

@@ -1,6 +1,7 @@
 //! Tests of the layouts against torchvision's golden listing, and of --list-file checks.
 
 use super::*;
+use crate::catalog::Walking;
 use std::fs;
 
 fn tree() -> LayoutSpec {
@@ -52,7 +53,7 @@ fn image_folder_matches_torchvision_golden() {
         .unwrap(),
     )
     .unwrap();
-    let catalog = Catalog::scan(tmp.path(), 2).unwrap();
+    let catalog = Catalog::scan(tmp.path(), Walking::threads(2)).unwrap();
     let exts: Vec<String> = DEFAULT_EXTENSIONS.iter().map(|s| s.to_string()).collect();
     let spec = LayoutSpec {
         extensions: exts,
@@ -90,7 +91,7 @@ fn tree_sorts_by_path_bytes_not_walk_order() {
         fs::create_dir_all(f.parent().unwrap()).unwrap();
         fs::write(f, p).unwrap();
     }
-    let catalog = Catalog::scan(tmp.path(), 2).unwrap();
+    let catalog = Catalog::scan(tmp.path(), Walking::threads(2)).unwrap();
     let layout = Layout::build(&catalog, ROOT, &tree()).unwrap();
     let paths: Vec<PathBuf> = (0..layout.len() as u32)
         .map(|i| catalog.relative_path(layout.file_of(i).unwrap()))
@@ -136,7 +137,7 @@ fn list_file_errors_name_the_line() {
     let tmp = tempfile::tempdir().unwrap();
     fs::create_dir_all(tmp.path().join("d")).unwrap();
     fs::write(tmp.path().join("d/a.jpg"), b"x").unwrap();
-    let catalog = Catalog::scan(tmp.path(), 1).unwrap();
+    let catalog = Catalog::scan(tmp.path(), Walking::threads(1)).unwrap();
     assert_eq!(
         parse_list(&catalog, ROOT, b"d/a.jpg\nd/a.jpg\n")
             .unwrap()
@@ -172,7 +173,7 @@ fn any_directory_can_be_a_dataset_root() {
         fs::create_dir_all(f.parent().unwrap()).unwrap();
         fs::write(f, p).unwrap();
     }
-    let catalog = std::sync::Arc::new(Catalog::scan(tmp.path(), 1).unwrap());
+    let catalog = std::sync::Arc::new(Catalog::scan(tmp.path(), Walking::threads(1)).unwrap());
     let datasets = Datasets::new(catalog.clone(), LayoutSpec::default());
     let paths = |layout: &Layout| -> Vec<PathBuf> {
         (0..layout.len() as u32)

@@ -17,8 +17,7 @@ impl<R> Core<R> {
     /// that made it then asks for the next job itself: no wake-up here.
     pub fn copied(&mut self, job: Job, result: Result<u64, CopyError>, now: Instant) -> Effects<R> {
         let file = job.file;
-        let size = self.size_of(file);
-        self.space.reserved = self.space.reserved.saturating_sub(size);
+        self.release(file);
         let waiters = self.waiters.take(file);
         let mut effects = Effects::default();
         let answer = match result {
@@ -44,7 +43,7 @@ impl<R> Core<R> {
         let file = job.file;
         self.backoff.succeeded();
         self.files.set(file, FileState::Cached);
-        self.space.used += self.size_of(file);
+        self.space.used += bytes;
         Counters::add(&self.counters.staged_files, 1);
         Counters::add(&self.counters.staged_bytes, bytes);
         Counters::add(&self.counters.source_bytes, bytes);
@@ -83,7 +82,7 @@ impl<R> Core<R> {
                 Counters::add(&self.counters.cache_full_events, 1);
                 // Free a little so the next copy has a chance, then serve readers from SOURCE.
                 if let Some(victim) = self.space.evict.victim(0) {
-                    let size = self.size_of(victim);
+                    let size = self.held_bytes(victim);
                     self.evict(victim, effects);
                     self.space.capacity = self.space.capacity.saturating_sub(size);
                 }
@@ -91,6 +90,14 @@ impl<R> Core<R> {
             }
             // Unmounting: nobody waits for it any more, and the file is as if never staged.
             CopyError::Stopped => Answer::FromSource(file),
+            // Its size, learnt by the copy, does not fit: what a known size that does not fit
+            // gets (readers served from SOURCE, the frontier waiting at it for room).
+            CopyError::NoRoom => {
+                if let Some(pos) = job.position {
+                    self.rewind_frontier(pos);
+                }
+                Answer::FromSource(file)
+            }
             CopyError::Cache(e) => {
                 log::warn!(
                     "cannot write {} to the cache: {e}; serving it from the source",

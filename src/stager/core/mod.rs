@@ -26,7 +26,7 @@ mod tick;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -35,7 +35,7 @@ use super::space::Space;
 use super::streams::Streams;
 use super::waiters::Waiters;
 use super::{OpenError, StagerSettings};
-use crate::catalog::{Catalog, FileId, FileSet};
+use crate::catalog::{Catalog, FileId};
 use crate::plan::{Generation, Position, Tracker, TrackerMode};
 use crate::stats::{Counters, Gauges};
 
@@ -76,6 +76,10 @@ pub struct Job {
     pub file: FileId,
     /// The frontier position it was staged for (`None`: a reader waits for it).
     pub position: Option<Position>,
+    /// Whether room was made for it when it was taken. Not when its size was not known yet
+    /// (its attributes are fetched when first needed): the shell asks for room
+    /// ([`Core::admit`]) once the copy has opened the file and knows it.
+    pub has_room: bool,
 }
 
 /// How a waiting reader is to be answered, once the lock is released.
@@ -149,6 +153,8 @@ pub struct Core<R> {
     waiters: Waiters<R>,
     urgent: VecDeque<FileId>,
     space: Space,
+    /// The bytes reserved for each copy under way (in `space.reserved`).
+    reservations: HashMap<FileId, u64>,
     /// Staged ahead and not opened since: evicting these is wasted staging.
     unread: HashSet<FileId>,
     /// Where staging ahead has got to in each lane (see [`frontier`]), and the bytes of the
@@ -158,8 +164,9 @@ pub struct Core<R> {
     backoff: Backoff,
     /// Files whose source changed: never staged again by the frontier.
     changed: HashSet<FileId>,
-    /// Cached by a previous mount; checked against their checksum before first served.
-    unverified: FileSet,
+    /// Cached by a previous mount, with the size of each copy; checked against the source
+    /// file and their checksum before first served.
+    unverified: HashMap<FileId, u64>,
     /// Counts opens, for recency.
     access_seq: u64,
     /// Opens since the last search for a lost reader's place, and whether one runs.
@@ -182,6 +189,7 @@ impl<R> Core<R> {
         let mut core = Core {
             tracker: Tracker::new(generation, settings.tracker),
             space: Space::new(settings.capacity, settings.eviction.policy()),
+            reservations: HashMap::new(),
             catalog,
             settings,
             counters,
@@ -193,7 +201,7 @@ impl<R> Core<R> {
             ahead_bytes: 0,
             backoff: Backoff::default(),
             changed: HashSet::new(),
-            unverified: FileSet::default(),
+            unverified: HashMap::new(),
             access_seq: 0,
             opens_since_resync: 0,
             resync_running: false,
@@ -209,7 +217,7 @@ impl<R> Core<R> {
     /// it is first served.
     pub fn reuse(&mut self, file: FileId, size: u64) {
         self.files.set(file, FileState::Cached);
-        self.unverified.insert(file);
+        self.unverified.insert(file, size);
         self.space.used += size;
         let next = self.tracker.next_use(file);
         self.space.evict.needed_at(file, next);
@@ -246,9 +254,30 @@ impl<R> Core<R> {
             .count() as u64
     }
 
-    /// Bytes of `file` as catalogued.
-    fn size_of(&self, file: FileId) -> u64 {
-        self.catalog.entry(file).map_or(0, |e| e.size)
+    /// Bytes of `file`, if known: a file's size is known once the mount has looked it up,
+    /// opened or copied it.
+    fn size_of(&self, file: FileId) -> Option<u64> {
+        self.catalog.size(file)
+    }
+
+    /// Bytes the cache holds for `file`: its size, or for a previous mount's copy not checked
+    /// yet, the copy's.
+    fn held_bytes(&self, file: FileId) -> u64 {
+        (self.unverified.get(&file).copied())
+            .or_else(|| self.size_of(file))
+            .unwrap_or(0)
+    }
+
+    /// Reserves `bytes` for the copy of `file` under way.
+    fn reserve(&mut self, file: FileId, bytes: u64) {
+        self.space.reserved += bytes;
+        self.reservations.insert(file, bytes);
+    }
+
+    /// Gives back what was reserved for the copy of `file`, which ended.
+    fn release(&mut self, file: FileId) {
+        let bytes = self.reservations.remove(&file).unwrap_or(0);
+        self.space.reserved = self.space.reserved.saturating_sub(bytes);
     }
 
     /// The gauges the statistics show: `epoch_len` is what the shell reports for the epoch

@@ -116,15 +116,16 @@ impl<R> Core<R> {
 
     /// Whether `file`'s copy is a previous mount's, to be checked before it is served.
     pub fn is_unverified(&self, file: FileId) -> bool {
-        self.unverified.contains(file)
+        self.unverified.contains_key(&file)
     }
 
-    /// The shell checked a previous mount's copy of `file` against its checksum: if it is
-    /// bad (and still that copy: not evicted meanwhile) it goes, to be staged again.
+    /// The shell checked a previous mount's copy of `file` against the source file and its
+    /// checksum: if it is bad (and still that copy: not evicted meanwhile) it goes, to be
+    /// staged again.
     pub fn verified(&mut self, file: FileId, good: bool, effects: &mut Effects<R>) {
         if good {
-            self.unverified.remove(file);
-        } else if self.unverified.contains(file) {
+            self.unverified.remove(&file);
+        } else if self.unverified.contains_key(&file) {
             effects.unlink.push(file);
             self.forget_cached(file);
         }
@@ -164,7 +165,7 @@ impl<R> Core<R> {
             self.urgent.push_back(file);
             effects.wake(Wake::One);
         }
-        if self.size_of(file) >= self.settings.read_through_above {
+        if self.size_of(file).unwrap_or(0) >= self.settings.read_through_above {
             Miss::ReadThrough(reply)
         } else {
             self.waiters.add(file, reply, now);

@@ -161,7 +161,8 @@ impl<R> Core<R> {
                     continue;
                 };
                 if self.behind_frontier(pos + (off - offset)) {
-                    self.ahead_bytes = self.ahead_bytes.saturating_sub(self.size_of(file));
+                    let size = self.size_of(file).unwrap_or(0);
+                    self.ahead_bytes = self.ahead_bytes.saturating_sub(size);
                 }
                 if self.space.evict.contains(file) {
                     let next = self.tracker.next_use(file);

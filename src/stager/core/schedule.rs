@@ -29,7 +29,9 @@ impl<R> Core<R> {
             }
             let size = self.size_of(file);
             // A reader waits for it now: anything else may go.
-            if size > self.space.capacity || !self.make_room(size, 0, effects) {
+            if let Some(size) = size
+                && !self.room_for(size, 0, effects)
+            {
                 // No room at all: serve the waiting readers from SOURCE instead.
                 self.files.set(file, FileState::Remote);
                 for w in self.waiters.take(file) {
@@ -39,29 +41,58 @@ impl<R> Core<R> {
                 continue;
             }
             self.files.set(file, FileState::Staging);
-            self.space.reserved += size;
+            if let Some(size) = size {
+                self.reserve(file, size);
+            }
             return Some(Job {
                 file,
                 position: None,
+                has_room: size.is_some(),
             });
         }
         None
     }
 
+    /// Whether a copy of `bytes` fits the cache, making room for it (for a file needed at
+    /// `needed_at`) if the eviction policy gives some.
+    fn room_for(&mut self, bytes: u64, needed_at: u64, effects: &mut Effects<R>) -> bool {
+        bytes <= self.space.capacity && self.make_room(bytes, needed_at, effects)
+    }
+
+    /// The copy of `job`, taken before its size was known, has opened the file and found it
+    /// `size` bytes: room is made for it now, as it would have been had the size been known.
+    /// False if there is none; the shell then gives the copy up ([`CopyError::NoRoom`]).
+    ///
+    /// [`CopyError::NoRoom`]: crate::cache::CopyError::NoRoom
+    pub fn admit(&mut self, job: Job, size: u64, effects: &mut Effects<R>) -> bool {
+        let needed_at = job.position.map_or(0, |pos| self.ahead_needed_at(pos));
+        if !self.room_for(size, needed_at, effects) {
+            return false;
+        }
+        self.reserve(job.file, size);
+        if job.position.is_some() {
+            self.ahead_bytes += size;
+        }
+        true
+    }
+
     fn next_ahead(&mut self, now: Instant, effects: &mut Effects<R>) -> Option<Job> {
         let (pos, file) = self.frontier_to_copy(now)?;
         let size = self.size_of(file);
-        if !self.make_room(size, self.tracker.on_slowest_clock(pos), effects) {
-            return None;
+        if let Some(size) = size {
+            if !self.make_room(size, self.ahead_needed_at(pos), effects) {
+                return None;
+            }
+            self.reserve(file, size);
         }
         // Unless making room put it back (to a copy given up), the lane's frontier moves on;
         // if it did, it walks over this position again and counts it then.
-        self.step_frontier_from(pos, size);
+        self.step_frontier_from(pos, size.unwrap_or(0));
         self.files.set(file, FileState::Staging);
-        self.space.reserved += size;
         Some(Job {
             file,
             position: Some(pos),
+            has_room: size.is_some(),
         })
     }
 
@@ -69,9 +100,9 @@ impl<R> Core<R> {
     /// eviction policy makes room for.
     pub(super) fn copy_due(&mut self, now: Instant) -> bool {
         self.frontier_to_copy(now).is_some_and(|(pos, file)| {
-            self.space.fits(self.size_of(file))
+            self.space.fits(self.size_of(file).unwrap_or(0))
                 || (self.space.evict)
-                    .victim(self.tracker.on_slowest_clock(pos))
+                    .victim(self.ahead_needed_at(pos))
                     .is_some()
         })
     }
@@ -102,7 +133,7 @@ impl<R> Core<R> {
     pub(super) fn evict(&mut self, file: FileId, effects: &mut Effects<R>) {
         // Staged ahead and evicted before anyone read it: staging wasted.
         if self.unread.contains(&file) {
-            Counters::add(&self.counters.wasted_bytes, self.size_of(file));
+            Counters::add(&self.counters.wasted_bytes, self.held_bytes(file));
         }
         effects.unlink.push(file);
         // Needed before the frontier: lanes' clocks differ from the order the frontier walks
@@ -119,10 +150,10 @@ impl<R> Core<R> {
     pub(super) fn forget_cached(&mut self, file: FileId) {
         if self.space.evict.contains(file) {
             self.space.evict.remove(file);
-            self.space.used = self.space.used.saturating_sub(self.size_of(file));
+            self.space.used = self.space.used.saturating_sub(self.held_bytes(file));
         }
         self.files.set(file, FileState::Remote);
         self.unread.remove(&file);
-        self.unverified.remove(file);
+        self.unverified.remove(&file);
     }
 }

@@ -219,7 +219,8 @@ fn a_reader_waiting_for_a_copy_is_answered_when_it_is_done() {
         job,
         Job {
             file,
-            position: None
+            position: None,
+            has_room: true,
         }
     );
     s.now += Duration::from_millis(30);
@@ -502,7 +503,9 @@ fn a_reused_copy_is_verified_before_it_is_served() {
 #[test]
 fn ranks_apart_hit_every_open_through_a_small_cache_and_waste_little() {
     // Two local ranks of a DistributedSampler (lanes), rank 1 `lag` of its opens behind
-    // rank 0, through a cache of 30% of the files, copies made at once.
+    // rank 0, through a cache of 30% of the files, copies made at once. (Without a frontier
+    // per lane: 1,530 hits of 2,000 in epoch 0; without the eviction margin, 53-73 copies
+    // wasted of 6,000.)
     for lag in [3, 200] {
         let mut cfg = sampler(SamplerKind::TorchDistributed, 0);
         cfg.world_size = 2;
@@ -521,9 +524,6 @@ fn ranks_apart_hit_every_open_through_a_small_cache_and_waste_little() {
             s.copy_all();
         }
         let wasted = s.count(&s.counters.wasted_bytes) / SIZE;
-        assert!(
-            wasted < 200,
-            "lag {lag}: {wasted} copies staged for nothing"
-        );
+        assert!(wasted <= 6, "lag {lag}: {wasted} copies staged for nothing");
     }
 }

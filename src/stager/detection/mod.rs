@@ -373,7 +373,8 @@ mod tests {
         for i in 0..n {
             std::fs::write(dir.path().join(format!("f{i:04}")), b"x").unwrap();
         }
-        let catalog = Arc::new(Catalog::scan(dir.path(), 1).unwrap());
+        let catalog =
+            Arc::new(Catalog::scan(dir.path(), crate::catalog::Walking::threads(1)).unwrap());
         let spec = LayoutSpec {
             kind: LayoutKind::Tree,
             ..LayoutSpec::default()
@@ -499,7 +500,8 @@ mod tests {
                 files.push(format!("{split}/c{}/{i}.jpg", i % 3));
             }
         }
-        let catalog = Arc::new(Catalog::scan(dir.path(), 1).unwrap());
+        let catalog =
+            Arc::new(Catalog::scan(dir.path(), crate::catalog::Walking::threads(1)).unwrap());
         let datasets = Arc::new(Datasets::new(catalog.clone(), LayoutSpec::default()));
         let d = Detector::new(datasets);
         for f in &files {
