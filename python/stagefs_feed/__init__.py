@@ -16,7 +16,10 @@ process that iterates the loader (the main process; workers only fetch):
    loader's stream; validation passes are read on demand and never count against it);
 3. where the next epoch's order can be computed without touching the job's random state (a
    sampler with ``set_epoch``, as DistributedSampler), it is announced too, so staging crosses
-   the epoch boundary without waiting.
+   the epoch boundary without waiting;
+4. wherever a batch is fetched (workers, or the main process), its files are opened with one
+   request to the mount and read from the descriptors it sends back (``opens``), whatever
+   tells the mount its order: flags, detection or these announcements.
 
 The job's random number generators are consumed exactly as without the hook: the sampler is
 iterated once, at the moment the loader would have started it, and the look-ahead runs on a
@@ -32,6 +35,7 @@ import random
 import sys
 import threading
 
+from . import opens
 from .channel import Channel, ChannelBusy, ChannelError, mount_of
 
 __all__ = ["install", "installed"]
@@ -50,8 +54,12 @@ _epochs = {}
 _targets = {}
 # Mounts that failed or refused: no more announcements to them from this process.
 _disabled = set()
+# Mounts that failed a batch open: no more batch opens on them from this process.
+_no_batch_opens = set()
 # What the daemon takes in one announcement (its MAX_ANNOUNCED).
 MAX_ANNOUNCED = 1 << 26
+# Most files one batch open names (the daemon's MAX_BATCH).
+_BATCH = 250
 
 
 def _warn(key, message):
@@ -105,6 +113,8 @@ def _patch(module):
     base = module._BaseDataLoaderIter
     if getattr(base, "_stagefs_feed", False):
         return
+    if opens.enabled():
+        _patch_fetch()
     original_init, original_reset = base.__init__, base._reset
 
     def __init__(self, loader, *args, **kwargs):
@@ -117,6 +127,62 @@ def _patch(module):
 
     base.__init__, base._reset = __init__, _reset
     base._stagefs_feed = True
+
+
+def _patch_fetch():
+    """Opens each batch's files with one request before the map-style fetcher reads them."""
+    from torch.utils.data._utils import fetch
+
+    fetcher = fetch._MapDatasetFetcher
+    original = fetcher.fetch
+
+    def fetch_batch(self, possibly_batched_index):
+        kept = _open_batch(self.dataset, possibly_batched_index, self.auto_collation)
+        try:
+            return original(self, possibly_batched_index)
+        finally:
+            opens.close_unused(kept)
+
+    fetcher.fetch = fetch_batch
+    opens.install_open()
+
+
+def _open_batch(dataset, index, batched):
+    """Asks the mount holding `dataset` for descriptors of the files of the batch at `index`;
+    returns what was kept for the batch's opens (nothing if the dataset is not on a mount, or
+    on any failure, after one warning)."""
+    try:
+        target = _target_of(dataset)
+        if target is None or target[2] is None:
+            return []
+        mountpoint, address, relative, _, named = target
+        with _lock:
+            if mountpoint in _no_batch_opens:
+                return []
+            channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
+        _, to_base = _base_of(dataset)
+        wanted = [i for i in to_base(list(index) if batched else [index]) if relative[i] is not None]
+        kept = []
+        for start in range(0, len(wanted), _BATCH):
+            part = wanted[start:start + _BATCH]
+            message = {"op": "open", "paths": [relative[i] for i in part]}
+            reply, fds = channel.request_with_fds(message, max_fds=len(part))
+            try:
+                kept += opens.grant([named[i] for i in part], reply.get("files"), fds)
+            except ValueError:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        return kept
+    except Exception as e:  # the job must never fail because of the hook
+        if "target" in locals() and target is not None:
+            with _lock:
+                _no_batch_opens.add(target[0])
+        # A mount that does not take this user's requests has nothing for the hook to do.
+        if not _not_for_this_job(e):
+            _warn(("batch", type(e).__name__),
+                  f"cannot open a batch's files through stagefs: {e}; opening them through the mount")
+        return []
 
 
 def _wrap(loader_iter, loader):
@@ -223,7 +289,7 @@ def _rank():
 
 
 def _announce(target, loader, sampler, drawn):
-    mountpoint, address, paths, root = target
+    mountpoint, address, paths, root, _ = target
     with _lock:
         if mountpoint in _disabled:
             return
@@ -250,12 +316,26 @@ def _announce(target, loader, sampler, drawn):
         channel.close()
         _warn(("busy", mountpoint), f"{e}; this epoch is not announced")
     except ChannelError as e:
-        # Gone, stopped or refusing: it will be next epoch too. Say so once and leave it be.
+        # Gone, stopped or refusing: it will be next epoch too. Say so once and leave it be;
+        # a mount that takes no announcements from this user (its order is configured or its
+        # own to find) has nothing for the hook to do but batch opens: no warning then.
         with _lock:
-            _channels.pop(mountpoint, None)
             _disabled.add(mountpoint)
-        channel.close()
-        _warn(("channel", mountpoint), f"{e}; not announcing to it any more")
+        if not _not_for_this_job(e):
+            with _lock:
+                _channels.pop(mountpoint, None)
+            channel.close()
+            _warn(("channel", mountpoint), f"{e}; not announcing to it any more")
+
+
+# How the daemon says a request is not for this process: the user may only announce to a
+# mount that follows announcements, or the mount predicts its order itself (flags). The hook
+# then has nothing to do there (but batch opens) and says nothing.
+_NOT_FOR_THIS_JOB = ("only the mount's owner", "predicts the order itself")
+
+
+def _not_for_this_job(error):
+    return isinstance(error, ChannelError) and any(s in str(error) for s in _NOT_FOR_THIS_JOB)
 
 
 def _send_order(channel, dataset, stream, epoch, rank, world, indices, current):
@@ -405,8 +485,8 @@ def _relative(mountpoint, path):
 
 def _target_of(dataset):
     """(mountpoint, control address, paths relative to it or None, the dataset's root
-    relative to it or None) for `dataset` (under its `Subset`s), or None if no stagefs mount
-    holds it. Looked up once per dataset."""
+    relative to it or None, the paths as the dataset names them or None) for `dataset` (under
+    its `Subset`s), or None if no stagefs mount holds it. Looked up once per dataset."""
     dataset, _ = _base_of(dataset)
     key = id(dataset)
     if key in _targets:
@@ -415,12 +495,11 @@ def _target_of(dataset):
     paths = _dataset_paths(dataset)
     root = _root_of(dataset)
     if paths:
-        paths = _real_paths(paths)
-        found = mount_of(paths[0])
+        found = mount_of(_real_paths(paths[:1])[0])
         if found is not None:
             mountpoint, address = found
-            relative = [_relative(mountpoint, p) for p in paths]
-            target = (mountpoint, address, relative, root and _relative(mountpoint, root))
+            relative = [_relative(mountpoint, p) for p in _real_paths(paths)]
+            target = (mountpoint, address, relative, root and _relative(mountpoint, root), paths)
     elif os.environ.get("STAGEFS_FEED_MOUNT"):
         found = mount_of(os.environ["STAGEFS_FEED_MOUNT"])
         if found is None:
@@ -428,7 +507,7 @@ def _target_of(dataset):
                   f"STAGEFS_FEED_MOUNT={os.environ['STAGEFS_FEED_MOUNT']} is not a stagefs mount")
         else:
             mountpoint, address = found
-            target = (mountpoint, address, None, root and _relative(mountpoint, root))
+            target = (mountpoint, address, None, root and _relative(mountpoint, root), None)
     elif root is not None and (found := mount_of(root)) is not None:
         # On a mount, but no list of files to announce: say so, here and in its statistics.
         _tell_unmapped(*found, type(dataset).__name__)

@@ -32,8 +32,11 @@ CONNECT_TIMEOUT = 2.0
 # that has not answered whole in this long (counted from the request, however it trickles)
 # is stopped or wedged, and the job must go on without it.
 REPLY_TIMEOUT = 20.0
-# Replies are a few dozen bytes; a longer one is not the daemon's.
+# Replies are a few dozen bytes (a batch open's a few kilobytes); a longer one is not the
+# daemon's.
 MAX_REPLY_BYTES = 64 << 10
+# Most descriptors one message carries (the kernel's SCM_MAX_FD).
+MAX_FDS = 253
 
 
 class ChannelError(Exception):
@@ -173,16 +176,31 @@ class Channel:
     def request(self, message):
         """Sends one message and returns the daemon's reply; raises ChannelError. One at a
         time: loaders iterated in several threads share the connection."""
-        with self._lock:
-            return self._request(message)
+        reply, fds = self.request_with_fds(message, max_fds=0)
+        return reply
 
-    def _request(self, message):
+    def request_with_fds(self, message, max_fds):
+        """Sends one message and returns (the daemon's reply, the descriptors sent with it:
+        at most `max_fds`, close-on-exec, the caller's to close); raises ChannelError, with
+        every descriptor received closed."""
+        fds = []
+        try:
+            with self._lock:
+                return self._request(message, fds, max_fds), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _request(self, message, fds, max_fds):
         self.connect()
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
         deadline = time.monotonic() + REPLY_TIMEOUT
         try:
             self._send(data, deadline)
-            line = self._receive_line(deadline)
+            line = self._receive_line(deadline, fds)
+            if len(fds) > max_fds:
+                raise ChannelError(f"{len(fds)} descriptors sent where at most {max_fds} were asked for")
         except (OSError, ChannelError) as e:
             self.close()
             raise ChannelError(f"the stagefs mount at {self.mountpoint} stopped answering: {e}")
@@ -217,17 +235,28 @@ class Channel:
                 except BlockingIOError:
                     pass
 
-    def _receive_line(self, deadline):
-        """The next reply line, whole within the deadline and at most MAX_REPLY_BYTES."""
+    def _receive_line(self, deadline, fds):
+        """The next reply line, whole within the deadline and at most MAX_REPLY_BYTES; the
+        descriptors that came with it are appended to `fds`."""
         while b"\n" not in self._pending:
             if len(self._pending) > MAX_REPLY_BYTES:
                 raise ChannelError(f"a reply longer than {MAX_REPLY_BYTES} bytes")
             if not self._wait(deadline, readable=True):
                 continue
             try:
-                chunk = self._sock.recv(MAX_REPLY_BYTES + 1 - len(self._pending))
+                chunk, ancillary, flags, _ = self._sock.recvmsg(
+                    MAX_REPLY_BYTES + 1 - len(self._pending),
+                    socket.CMSG_SPACE(MAX_FDS * 4),
+                    socket.MSG_CMSG_CLOEXEC,
+                )
             except BlockingIOError:
                 continue
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % 4
+                    fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+            if flags & socket.MSG_CTRUNC:
+                raise ChannelError("more descriptors than a message carries")
             if not chunk:
                 raise ChannelError("it closed the connection")
             self._pending += chunk

@@ -27,7 +27,7 @@ use clap::Args;
 use sha2::{Digest, Sha256};
 
 /// The hook as shipped: (path under the PYTHONPATH entry, contents).
-const HOOK_FILES: [(&str, &str); 3] = [
+const HOOK_FILES: [(&str, &str); 4] = [
     (
         "sitecustomize.py",
         include_str!("../../python/sitecustomize.py"),
@@ -39,6 +39,10 @@ const HOOK_FILES: [(&str, &str); 3] = [
     (
         "stagefs_feed/channel.py",
         include_str!("../../python/stagefs_feed/channel.py"),
+    ),
+    (
+        "stagefs_feed/opens.py",
+        include_str!("../../python/stagefs_feed/opens.py"),
     ),
 ];
 

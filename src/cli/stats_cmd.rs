@@ -214,6 +214,16 @@ pub fn table(s: &Snapshot) -> String {
             format!("{} files", s.reused_files),
         ),
         (
+            "batch opens",
+            format!(
+                "{} files by descriptor in {} requests ({} refused), {} through FUSE",
+                s.descriptor_opens,
+                s.batch_requests,
+                s.batch_refused,
+                s.ops.get("open").copied().unwrap_or(0)
+            ),
+        ),
+        (
             "passthrough",
             if s.passthrough { "yes" } else { "no" }.to_string(),
         ),

@@ -1,5 +1,6 @@
 //! The mount's control channel: a Unix socket on which a running daemon takes orders from the
-//! job (the feed hook announcing its sampler's order) and from `stagefs epoch`.
+//! job (the feed hook announcing its sampler's order, and opening a batch's files at once:
+//! [`batch`]) and from `stagefs epoch`.
 //!
 //! The socket is abstract (Linux's socket namespace, no file): on an `--allow-other` mount the
 //! job's users must reach it, and a socket file inside the private cache directory could not
@@ -17,20 +18,24 @@
 //! Messages are JSON lines, each answered by one line: `{"ok":true,...}` or
 //! `{"ok":false,"error":"..."}`. A malformed or refused request changes nothing.
 
+mod batch;
 mod limits;
 mod protocol;
 mod server;
 mod service;
 
 pub use limits::Limits;
-pub use protocol::{Reply, Request};
+pub use protocol::{MAX_BATCH, Reply, Request};
 pub use server::ControlServer;
 pub use service::{MAX_ANNOUNCED, MAX_WORLD_SIZE, MountControl};
 
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, Write};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::Duration;
+
+use crate::sys;
 
 /// Longest request line: an announcement of ~14 M indices (ImageNet-21k), or the paths of
 /// ~2 M files, in JSON. Larger datasets announce indices through the mount's layout instead
@@ -119,11 +124,13 @@ pub trait Service: Send + Sync + 'static {
     fn session(self: std::sync::Arc<Self>, peer: Peer) -> Box<dyn Session>;
 }
 
-/// A connection to a mount's control channel (what `stagefs epoch` and the tests use; the
-/// Python hook speaks the same lines). Dataset handles last as long as the connection.
+/// A connection to a mount's control channel (what `stagefs epoch`, `stagefs bench` and the
+/// tests use; the Python hook speaks the same lines). Dataset handles last as long as the
+/// connection.
 pub struct Client {
     stream: UnixStream,
-    reader: BufReader<UnixStream>,
+    /// Bytes received beyond the last reply line.
+    pending: Vec<u8>,
 }
 
 impl Client {
@@ -135,16 +142,44 @@ impl Client {
         };
         let stream = UnixStream::connect_addr(&addr)?;
         stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
-        let reader = BufReader::new(stream.try_clone()?);
-        Ok(Client { stream, reader })
+        Ok(Client {
+            stream,
+            pending: Vec::new(),
+        })
     }
 
     /// Sends one request and returns the reply.
     pub fn request(&mut self, request: &serde_json::Value) -> io::Result<serde_json::Value> {
+        Ok(self.request_with_fds(request)?.0)
+    }
+
+    /// Sends one request and returns the reply and the descriptors that came with it (a batch
+    /// open's, in the order its `files` numbers them).
+    pub fn request_with_fds(
+        &mut self,
+        request: &serde_json::Value,
+    ) -> io::Result<(serde_json::Value, Vec<OwnedFd>)> {
         writeln!(self.stream, "{request}")?;
-        let mut line = String::new();
-        self.reader.read_line(&mut line)?;
-        serde_json::from_str(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+        let mut fds = Vec::new();
+        let mut chunk = vec![0u8; 64 << 10];
+        while !self.pending.contains(&b'\n') {
+            let (n, received) = sys::recv_with_fds(self.stream.as_fd(), &mut chunk, MAX_BATCH)?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            fds.extend(received);
+            self.pending.extend_from_slice(&chunk[..n]);
+        }
+        let end = self
+            .pending
+            .iter()
+            .position(|&b| b == b'\n')
+            .expect("a line");
+        let rest = self.pending.split_off(end + 1);
+        let line = std::mem::replace(&mut self.pending, rest);
+        let reply = serde_json::from_slice(&line)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        Ok((reply, fds))
     }
 }
 

@@ -1,6 +1,8 @@
 //! The control channel's messages: what a client may ask, parsed strictly (an unknown field is
 //! an error, not ignored, so a typo never passes as a no-op), and the replies.
 
+use std::os::fd::OwnedFd;
+
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -33,11 +35,23 @@ pub enum Request {
     },
     /// The job (re)starts at `epoch` (`stagefs epoch`).
     Epoch { epoch: u64 },
+    /// Opens `paths` (relative to the mount's root, at most [`MAX_BATCH`]) for reading, each
+    /// decided as the caller's open through the mount would be, in this order: answered with
+    /// `files`, one entry per path: the number of the descriptor sent with the reply for that
+    /// file (read-only, its own offset), `{"errno": N}` for an open that failed as a FUSE
+    /// open would have, or `null` where the caller must open through the mount (not a file
+    /// of the catalog, or one the caller may not read: the mount answers it as it always
+    /// does).
+    Open { paths: Vec<String> },
     /// The job's hook found a dataset on the mount whose files it cannot map (a class it does
     /// not know): said in the statistics, so a mount waiting for announcements says why none
     /// come.
     Unmapped { dataset: String },
 }
+
+/// Most files one batch open takes: their descriptors travel in one message, and the kernel
+/// takes at most 253 (SCM_MAX_FD) in one.
+pub const MAX_BATCH: usize = 250;
 
 /// An announcement that does not say is taken for the training loader's.
 fn shuffled_by_default() -> bool {
@@ -50,31 +64,39 @@ impl Request {
     }
 }
 
-/// One reply line: `{"ok": true, ...}` or `{"ok": false, "error": "..."}`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Reply(Map<String, Value>);
+/// One reply line: `{"ok": true, ...}` or `{"ok": false, "error": "..."}`, and the
+/// descriptors sent with it (a batch open's).
+#[derive(Debug)]
+pub struct Reply {
+    fields: Map<String, Value>,
+    pub fds: Vec<OwnedFd>,
+}
 
 impl Reply {
     pub fn ok() -> Reply {
-        let mut map = Map::new();
-        map.insert("ok".into(), Value::Bool(true));
-        Reply(map)
+        Reply::new(true)
     }
 
     pub fn error(why: &str) -> Reply {
-        let mut map = Map::new();
-        map.insert("ok".into(), Value::Bool(false));
-        map.insert("error".into(), Value::String(why.into()));
-        Reply(map)
+        Reply::new(false).with("error", why)
+    }
+
+    fn new(ok: bool) -> Reply {
+        let mut fields = Map::new();
+        fields.insert("ok".into(), Value::Bool(ok));
+        Reply {
+            fields,
+            fds: Vec::new(),
+        }
     }
 
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Reply {
-        self.0.insert(key.into(), value.into());
+        self.fields.insert(key.into(), value.into());
         self
     }
 
     pub fn to_line(&self) -> String {
-        Value::Object(self.0.clone()).to_string()
+        Value::Object(self.fields.clone()).to_string()
     }
 }
 

@@ -235,11 +235,28 @@ fn serve(stream: UnixStream, peer: Peer, privileged: bool, shared: &Shared) {
             }
             Err(unread) => (Reply::error(&unread.to_string()), false),
         };
-        let written = (&stream).write_all(format!("{}\n", reply.to_line()).as_bytes());
-        if written.is_err() || !go_on {
+        if send_reply(&stream, &reply).is_err() || !go_on {
             return;
         }
     }
+}
+
+/// Writes `reply`'s line, its descriptors attached to the first bytes.
+fn send_reply(stream: &UnixStream, reply: &Reply) -> io::Result<()> {
+    let line = format!("{}\n", reply.to_line());
+    let mut rest = line.as_bytes();
+    if !reply.fds.is_empty() {
+        let fds: Vec<_> = reply.fds.iter().map(|fd| fd.as_fd()).collect();
+        let sent = loop {
+            match sys::send_with_fds(stream.as_fd(), rest, &fds) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                sent => break sent?,
+            }
+        };
+        rest = &rest[sent..];
+    }
+    let mut writer = stream;
+    writer.write_all(rest)
 }
 
 /// Why a connection is closed before its request was read.

@@ -19,9 +19,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::limits::Held;
-use super::{Peer, Reply, Request, RequestError, Service, Session};
+use super::{MAX_BATCH, Peer, Reply, Request, RequestError, Service, Session, batch};
 use crate::catalog::{Catalog, Datasets, FileId, Kind, MaybeFile, ROOT};
-use crate::fs::{Credential, Gate, MountedDataset};
+use crate::fs::{Credential, Gate, Launchers, MountedDataset};
 use crate::plan::StreamKey;
 
 /// Most indices one announcement may carry: far above any epoch of one rank (ImageNet-21k has
@@ -58,6 +58,8 @@ pub struct MountControl {
     held: Held,
     /// Epochs are planned one at a time: a far one replays minutes of random draws.
     planning: Mutex<()>,
+    /// The rank of each process that batch-opens, for `--sampler auto`.
+    launchers: Launchers,
 }
 
 impl MountControl {
@@ -79,6 +81,7 @@ impl MountControl {
             job_user,
             held: Held::new(budget),
             planning: Mutex::new(()),
+            launchers: Launchers::default(),
         }
     }
 
@@ -111,6 +114,7 @@ impl Service for MountControl {
     fn session(self: Arc<Self>, peer: Peer) -> Box<dyn Session> {
         Box::new(ControlSession {
             privileged: self.is_privileged(peer.uid),
+            pid: peer.pid,
             credential: Credential {
                 uid: peer.uid,
                 gid: peer.gid,
@@ -137,6 +141,8 @@ struct ControlSession {
     /// The mount's owner or root: told how many paths are files, and not held to the job
     /// user's budget or SOURCE's permissions (the daemon reads as the owner).
     privileged: bool,
+    /// The peer's process (batch opens are its opens).
+    pid: u32,
     /// Registered datasets.
     registrations: Vec<Registered>,
     /// Their entries together.
@@ -185,6 +191,7 @@ impl Session for ControlSession {
                 Ok(self.counted(Reply::ok(), count))
             }
             Request::Epoch { epoch } => self.move_epoch(&data, epoch, gone),
+            Request::Open { paths } => self.open_batch(&data, paths, gone),
             Request::Unmapped { dataset } => {
                 data.stager.note_unmapped(&dataset);
                 Ok(Reply::ok())
@@ -230,6 +237,33 @@ impl ControlSession {
         self.registrations.push(Registered { files, root });
         let reply = Reply::ok().with("dataset", self.registrations.len() - 1);
         Ok(self.counted(reply, found))
+    }
+
+    /// Opens the files at `paths` as this peer's FUSE opens would (see [`batch`]).
+    fn open_batch(
+        &self,
+        data: &MountedDataset,
+        paths: Vec<String>,
+        gone: &dyn Fn() -> bool,
+    ) -> Result<Reply, RequestError> {
+        if paths.len() > MAX_BATCH {
+            return Err(RequestError::TooMany {
+                what: "files in one batch open",
+                max: MAX_BATCH,
+            });
+        }
+        let catalog = &data.catalog;
+        let named = paths.iter().map(|p| file_at(catalog, p)).collect();
+        let paths: Vec<Option<String>> = paths.into_iter().map(Some).collect();
+        let files =
+            (self.readable_files(catalog, named, &paths, gone)).ok_or(RequestError::Gone)?;
+        let files: Vec<Option<FileId>> = files.into_iter().map(MaybeFile::get).collect();
+        Ok(batch::open_files(
+            data,
+            &self.mount.launchers,
+            self.pid,
+            &files,
+        ))
     }
 
     /// Counts `n` more registered entries, within this connection's limit and, for the job's

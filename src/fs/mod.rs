@@ -29,4 +29,5 @@ pub use access::{Caller, Gate, Readable, Refusal};
 pub use credentials::Credential;
 pub use dataset::MountedDataset;
 pub use fuse::StageFs;
+pub use launcher::Launchers;
 pub use xattr::{CONTROL_XATTR, OPS_XATTR, PID_XATTR, STATE_XATTR, STATS_XATTR};

@@ -115,6 +115,24 @@ fn counters(s: &Snapshot) -> Vec<Row> {
             "Files found complete in the cache at mount time and kept.",
             s.reused_files as f64,
         ),
+        (
+            "stagefs_descriptor_opens_total",
+            "counter",
+            "Opens served as descriptors of cached copies over the control channel (batch opens).",
+            s.descriptor_opens as f64,
+        ),
+        (
+            "stagefs_batch_requests_total",
+            "counter",
+            "Batch-open requests from the job's hook.",
+            s.batch_requests as f64,
+        ),
+        (
+            "stagefs_batch_refused_total",
+            "counter",
+            "Files in batch-open requests refused (not on the mount, or not readable by the caller).",
+            s.batch_refused as f64,
+        ),
     ]
 }
 

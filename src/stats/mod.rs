@@ -28,6 +28,9 @@ pub struct Counters {
     pub errors: AtomicU64,
     pub cache_full_events: AtomicU64,
     pub reused_files: AtomicU64,
+    pub descriptor_opens: AtomicU64,
+    pub batch_requests: AtomicU64,
+    pub batch_refused: AtomicU64,
 }
 
 impl Counters {
@@ -124,6 +127,16 @@ pub struct Snapshot {
     pub cache_full_events: u64,
     /// Files found complete in the cache at mount time and kept.
     pub reused_files: u64,
+    /// Opens the job's hook made on descriptors of cached copies it received over the control
+    /// channel (batch opens), not through FUSE; FUSE's own are `ops.open`.
+    #[serde(default)]
+    pub descriptor_opens: u64,
+    /// Batch-open requests, and the files in them refused (outside the catalog, or a file
+    /// SOURCE would not let the caller read: the job then opens it through the mount).
+    #[serde(default)]
+    pub batch_requests: u64,
+    #[serde(default)]
+    pub batch_refused: u64,
     /// Where the tracker believes the reader is: epoch, and position within it.
     pub epoch: u64,
     pub position: u64,
@@ -191,6 +204,9 @@ impl Snapshot {
             errors: Counters::get(&c.errors),
             cache_full_events: Counters::get(&c.cache_full_events),
             reused_files: Counters::get(&c.reused_files),
+            descriptor_opens: Counters::get(&c.descriptor_opens),
+            batch_requests: Counters::get(&c.batch_requests),
+            batch_refused: Counters::get(&c.batch_refused),
             epoch: g.epoch,
             position: g.position,
             epoch_len: g.epoch_len,

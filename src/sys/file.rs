@@ -185,3 +185,12 @@ pub fn set_status_flags(fd: BorrowedFd<'_>, flags: i32) -> io::Result<()> {
     // SAFETY: F_SETFL on a valid descriptor takes an int.
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags) } as _).map(drop)
 }
+
+/// A new read-only open of the file `fd` is open on (through `/proc/self/fd`, which works for
+/// an unlinked file too): its own offset and status flags, so whoever it is given to can
+/// neither write the file nor change how the daemon's own descriptor reads it.
+pub fn reopen_read_only(fd: BorrowedFd<'_>) -> io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}

@@ -13,7 +13,7 @@
 //!   never answers it.
 //! - [`process`]: processes held by pidfd, signals, detaching a daemon, descriptor limits.
 //! - [`credentials`]: the process's and a FUSE thread's user and groups.
-//! - [`socket`]: what the kernel says about a Unix socket's peer.
+//! - [`socket`]: what the kernel says about a Unix socket's peer, and descriptors sent over one.
 //!
 //! The functions are re-exported here, so callers name them `sys::open_beneath` whatever file
 //! holds them.
@@ -41,7 +41,7 @@ pub use credentials::{
 };
 pub use file::{
     access, device_of, drop_cached_pages, fgetxattr, fsetxattr, fstatvfs, getxattr, listxattr,
-    mkfifo, set_mtime, set_status_flags, statfs, statvfs, syncfs,
+    mkfifo, reopen_read_only, set_mtime, set_status_flags, statfs, statvfs, syncfs,
 };
 #[cfg(test)]
 pub(crate) use file::{removexattr, resident_pages};
@@ -51,7 +51,9 @@ pub use process::{
     poll_readable, proc_stat_fields, raise_descriptor_limit, restore_default_sigpipe,
     set_mmap_threshold, thread_id,
 };
-pub use socket::{hung_up, peer_credentials, peer_groups};
+pub use socket::{
+    MAX_FDS_PER_MESSAGE, hung_up, peer_credentials, peer_groups, recv_with_fds, send_with_fds,
+};
 
 /// The longest path one call takes, its terminating NUL included (Linux's PATH_MAX).
 const PATH_MAX: usize = libc::PATH_MAX as usize;

@@ -77,3 +77,98 @@ pub fn hung_up(socket: BorrowedFd<'_>) -> bool {
     let rc = unsafe { libc::poll(&mut poll, 1, 0) };
     rc > 0 && poll.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
+
+/// Most descriptors one message carries (the kernel's SCM_MAX_FD).
+pub const MAX_FDS_PER_MESSAGE: usize = 253;
+
+/// Sends `bytes` on a connected Unix socket with `fds` attached to them (SCM_RIGHTS; at most
+/// [`MAX_FDS_PER_MESSAGE`]); returns how many bytes went. The descriptors travel with the
+/// first byte, so a partial send still delivers them all; the caller sends the rest plainly.
+pub fn send_with_fds(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<usize> {
+    if fds.len() > MAX_FDS_PER_MESSAGE || bytes.is_empty() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let raw: Vec<libc::c_int> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let payload = std::mem::size_of_val(raw.as_slice()) as u32;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(payload) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: a zeroed msghdr is valid; its pointers are set below to live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !raw.is_empty() {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: the control buffer holds CMSG_SPACE(payload) bytes, 8-aligned, so the first
+        // header and its `payload` bytes of data fit in it.
+        unsafe {
+            let header = libc::CMSG_FIRSTHDR(&msg);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(payload) as _;
+            std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(header).cast(), raw.len());
+        }
+    }
+    // SAFETY: msg points at the live iovec and control buffer above.
+    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    super::check(sent as libc::c_long).map(|n| n as usize)
+}
+
+/// Receives what has arrived on a Unix socket into `buf`, with the descriptors attached to it
+/// (close-on-exec, owned by the caller): (bytes read, descriptors). More than `max_fds`
+/// attached is an error, the descriptors received closed.
+pub fn recv_with_fds(
+    socket: BorrowedFd<'_>,
+    buf: &mut [u8],
+    max_fds: usize,
+) -> io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
+    use std::os::fd::FromRawFd;
+    let max_fds = max_fds.min(MAX_FDS_PER_MESSAGE);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((max_fds.max(1) * 4) as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: a zeroed msghdr is valid; its pointers are set below to live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg points at live buffers of the sizes it states.
+    let read = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let read = super::check(read as libc::c_long)? as usize;
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled msg_control with well-formed headers up to msg_controllen;
+    // each SCM_RIGHTS header's data is that many descriptors, now ours.
+    unsafe {
+        let mut header = libc::CMSG_FIRSTHDR(&msg);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let bytes = (*header).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(header).cast::<libc::c_int>();
+                for i in 0..bytes / 4 {
+                    fds.push(std::os::fd::OwnedFd::from_raw_fd(
+                        data.add(i).read_unaligned(),
+                    ));
+                }
+            }
+            header = libc::CMSG_NXTHDR(&msg, header);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::other("more descriptors than asked for"));
+    }
+    Ok((read, fds))
+}

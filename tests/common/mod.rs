@@ -423,3 +423,24 @@ pub fn walk_files(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// The environment `eval "$(stagefs feed-env)"` sets, as a shell would: the hook's path in
+/// front of PYTHONPATH.
+pub fn feed_env() -> Vec<(String, String)> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(r#"eval "$("$0" feed-env)" && printf %s "$PYTHONPATH""#)
+        .arg(bin())
+        .env_remove("PYTHONPATH")
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success(),
+        "stagefs feed-env: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    vec![(
+        "PYTHONPATH".to_string(),
+        String::from_utf8(out.stdout).unwrap(),
+    )]
+}

@@ -1,0 +1,39 @@
+"""tests/batch_opens.rs: `batch_job.py ROOT WORKERS EPOCHS SEED`: an unmodified DataLoader
+over a DatasetFolder whose loader reads each file with open(path, "rb") (as torchvision's
+pil_loader does), shuffled by a seeded generator. Prints one JSON line: the files in the order
+read and the MD5 of each file's bytes."""
+
+import hashlib
+import json
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+from torchvision.datasets import DatasetFolder
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return path, hashlib.md5(f.read()).hexdigest()
+
+
+def main():
+    root, workers, epochs, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    dataset = DatasetFolder(root, loader=read, extensions=(".jpg",))
+    loader = DataLoader(
+        dataset,
+        batch_size=16,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=lambda batch: batch,
+    )
+    read_order = []
+    for _ in range(epochs):
+        for batch in loader:
+            read_order += [(path[len(root):], digest) for (path, digest), _ in batch]
+    print(json.dumps(read_order))
+
+
+if __name__ == "__main__":
+    main()
