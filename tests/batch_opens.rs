@@ -72,15 +72,27 @@ fn a_batch_open_sends_read_only_descriptors_of_exactly_the_catalogued_files() {
     assert_eq!(stats["batch_requests"], 1, "{stats}");
     assert_eq!(stats["batch_refused"], 4, "{stats}");
     assert_eq!(stats["ops"]["open"], 0, "no FUSE open: {stats}");
-    assert_eq!(stats["hits"].as_u64().unwrap() + stats["misses"].as_u64().unwrap(), 3);
+    assert_eq!(
+        stats["hits"].as_u64().unwrap() + stats["misses"].as_u64().unwrap(),
+        3
+    );
 
     // Junk, oversized and unknown requests: one clear line each, nothing changed.
     let too_many: Vec<String> = (0..251).map(|i| format!("f{i}")).collect();
     for (request, error) in [
         (json!({"op": "open"}), "not a valid request"),
-        (json!({"op": "open", "paths": "class000"}), "not a valid request"),
-        (json!({"op": "open", "paths": [], "rank": 0}), "unknown field `rank`"),
-        (json!({"op": "open", "paths": too_many}), "more than 250 files in one batch open"),
+        (
+            json!({"op": "open", "paths": "class000"}),
+            "not a valid request",
+        ),
+        (
+            json!({"op": "open", "paths": [], "rank": 0}),
+            "unknown field `rank`",
+        ),
+        (
+            json!({"op": "open", "paths": too_many}),
+            "more than 250 files in one batch open",
+        ),
     ] {
         let (reply, fds) = client.request_with_fds(&request).unwrap();
         assert_eq!(reply["ok"], false, "{request}: {reply}");
@@ -88,7 +100,13 @@ fn a_batch_open_sends_read_only_descriptors_of_exactly_the_catalogued_files() {
         assert!(fds.is_empty());
     }
     let after = mount.stats();
-    for key in ["descriptor_opens", "batch_requests", "batch_refused", "hits", "misses"] {
+    for key in [
+        "descriptor_opens",
+        "batch_requests",
+        "batch_refused",
+        "hits",
+        "misses",
+    ] {
         assert_eq!(after[key], stats[key], "{key}");
     }
     mount.unmount();
@@ -133,7 +151,9 @@ print(json.dumps({"reply": reply, "sizes": sizes}))
     };
     let nobody = run(NOBODY);
     assert_eq!(nobody["reply"]["files"], json!([null, 0]), "{nobody}");
-    let size = std::fs::metadata(source.join("class000/img000000.jpg")).unwrap().len();
+    let size = std::fs::metadata(source.join("class000/img000000.jpg"))
+        .unwrap()
+        .len();
     assert_eq!(nobody["sizes"], json!([size]));
     let state = |rel: &str| mount.getfattr(&mount.mnt.join(rel), "user.stagefs.state");
     assert_eq!(state("class003/img000003.jpg"), b"remote");
@@ -156,19 +176,32 @@ fn a_copy_evicted_after_its_descriptor_was_sent_still_reads_whole() {
     let work = tempfile::tempdir().unwrap();
     let source = work.path().join("src");
     let files = image_folder(&source, 40, 4, 10_000, 10_001);
-    let mount = TestMount::new(&source, work.path(), &["--sampler", "none", "--cache-size", "40K"]);
+    let mount = TestMount::new(
+        &source,
+        work.path(),
+        &["--sampler", "none", "--cache-size", "40K"],
+    );
     let mut client = Client::connect(&address(&mount)).unwrap();
     let first = "class000/img000000.jpg";
     let (_, mut fds) = open_batch(&mut client, &[first]);
     let kept = fds.pop().expect("a descriptor");
     // Every other file through the same small cache: the first copy is evicted.
     let rest: Vec<String> = (files.iter().skip(1))
-        .map(|p| p.strip_prefix(&source).unwrap().to_str().unwrap().to_string())
+        .map(|p| {
+            p.strip_prefix(&source)
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
     let (reply, _) = open_batch(&mut client, &rest);
     assert_eq!(reply["ok"], true, "{reply}");
-    assert_eq!(mount.getfattr(&mount.mnt.join(first), "user.stagefs.state"), b"remote");
+    assert_eq!(
+        mount.getfattr(&mount.mnt.join(first), "user.stagefs.state"),
+        b"remote"
+    );
     assert!(mount.stat("evictions") > 0);
     assert_eq!(contents(kept), std::fs::read(source.join(first)).unwrap());
     mount.unmount();
@@ -199,16 +232,29 @@ fn the_hook_reads_the_same_bytes_in_the_same_order_without_fuse_opens() {
     let source = work.path().join("src");
     image_folder(&source, 300, 6, 4_000, 12_000);
     let want = job(&source, 2, &[]);
-    let options = ["--sampler", "torch-random", "--seed", "7", "--cache-size", "720K"];
+    let options = [
+        "--sampler",
+        "torch-random",
+        "--seed",
+        "7",
+        "--cache-size",
+        "720K",
+    ];
     for workers in [2, 0] {
         let node = work.path().join(format!("w{workers}"));
         let mount = TestMount::new(&source, &node, &options);
         let got = job(&mount.mnt, workers, &feed_env());
-        assert_eq!(got, want, "{workers} workers: same files, same bytes, same order");
+        assert_eq!(
+            got, want,
+            "{workers} workers: same files, same bytes, same order"
+        );
         let stats = mount.stats();
         let opens = stats["ops"]["open"].as_u64().unwrap();
         let by_descriptor = stats["descriptor_opens"].as_u64().unwrap();
-        assert!(by_descriptor > 0 && stats["evictions"].as_u64().unwrap() > 0, "{stats}");
+        assert!(
+            by_descriptor > 0 && stats["evictions"].as_u64().unwrap() > 0,
+            "{stats}"
+        );
         // Only a file read through from SOURCE (no room to stage it) takes the FUSE path.
         assert!(opens * 20 <= by_descriptor, "{workers} workers: {stats}");
         eprintln!("{workers} workers: {by_descriptor} opens by descriptor, {opens} through FUSE");

@@ -95,7 +95,7 @@ fn empty(dir: &Path) -> bool {
 }
 
 #[test]
-fn three_methods_measured_and_nothing_left_behind() {
+fn four_methods_measured_and_nothing_left_behind() {
     require_fuse();
     let (work, source, tmp, _cache) = setup();
     let before = listing(&source);
@@ -109,12 +109,22 @@ fn three_methods_measured_and_nothing_left_behind() {
             "2",
             "--workers",
             "2",
+            "--methods",
+            "direct,stagefs,stagefs-fuse,copy-first",
             "--json",
             json_path.to_str().unwrap(),
         ],
     ));
     assert!(stdout.contains("stagefs vs direct"), "{stdout}");
     assert!(stdout.contains("copy-first vs direct"), "{stdout}");
+    assert!(
+        stdout.contains("stagefs vs copy-first: whole run"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("stagefs-fuse vs copy-first: whole run"),
+        "{stdout}"
+    );
 
     let json: serde_json::Value = serde_json::from_slice(&fs::read(&json_path).unwrap()).unwrap();
     assert_eq!(json["subset"]["files"], 200);
@@ -122,7 +132,7 @@ fn three_methods_measured_and_nothing_left_behind() {
     let methods = json["methods"].as_object().unwrap();
     assert_eq!(
         methods.keys().collect::<Vec<_>>(),
-        ["copy_first", "direct", "stagefs"]
+        ["copy_first", "direct", "stagefs", "stagefs_fuse"]
     );
     for (name, method) in methods {
         let epochs = method["epochs"].as_array().unwrap();
@@ -135,9 +145,13 @@ fn three_methods_measured_and_nothing_left_behind() {
     }
     assert!(methods["copy_first"]["copy_seconds"].as_f64().unwrap() > 0.0);
     assert!(methods["direct"]["epochs"][0].get("hits").is_none());
-    // Everything fits the default cache: once staged, every open is a hit.
-    for e in &methods["stagefs"]["epochs"].as_array().unwrap()[1..] {
-        assert_eq!((&e["hits"], &e["misses"]), (&200.into(), &0.into()), "{e}");
+    // Everything fits the default cache: once staged, every open is a hit. The hooked
+    // reader's opens are batch opens, the other's FUSE opens.
+    for (name, fuse_opens) in [("stagefs", 0), ("stagefs_fuse", 200)] {
+        for e in &methods[name]["epochs"].as_array().unwrap()[1..] {
+            assert_eq!((&e["hits"], &e["misses"]), (&200.into(), &0.into()), "{e}");
+            assert_eq!(e["fuse_opens"], fuse_opens, "{name}: {e}");
+        }
     }
 
     let svg = fs::read_to_string(work.path().join("results.svg")).unwrap();
@@ -146,8 +160,8 @@ fn three_methods_measured_and_nothing_left_behind() {
         .lines()
         .filter(|l| l.starts_with("<polyline") && l.contains(r#"stroke-width="2""#))
         .count();
-    assert_eq!(series, 3, "one line per method");
-    for name in ["direct", "stagefs", "copy-first"] {
+    assert_eq!(series, 4, "one line per method");
+    for name in ["direct", "stagefs", "stagefs-fuse", "copy-first"] {
         assert!(svg.contains(&format!("\n{name}\n")), "legend {name}");
     }
 

@@ -12,9 +12,10 @@ use crate::files::write_atomically;
 /// Pixels: wide enough for a dozen epochs' labels, small enough for a README.
 const SIZE: (u32, u32) = (720, 420);
 /// One colour per method, in [`super::Method::ALL`]'s order.
-const COLOURS: [RGBColor; 3] = [
+const COLOURS: [RGBColor; 4] = [
     RGBColor(204, 51, 17),
     RGBColor(0, 119, 187),
+    RGBColor(238, 119, 51),
     RGBColor(0, 153, 136),
 ];
 
@@ -119,6 +120,7 @@ mod tests {
             methods: Methods {
                 direct: Some(run(&[3.0, 3.1, 2.9])),
                 stagefs: Some(run(&[2.0, 0.5, 0.4])),
+                stagefs_fuse: None,
                 copy_first: Some(MethodRun {
                     skipped: Some("no room".into()),
                     ..MethodRun::default()

@@ -20,6 +20,7 @@
 pub mod chart;
 mod cold;
 mod copy;
+mod descriptors;
 mod opener;
 mod progress;
 pub mod reader;
@@ -41,6 +42,7 @@ use crate::catalog::{self, Catalog, IndexError, LayoutKind, ScanError, Walking};
 use crate::daemon::{self, MountConfig, MountError, RunningMount};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 use cold::{ColdCache, in_memory};
+use descriptors::Descriptors;
 use opener::Opener;
 use progress::{FILES_BAR, SPINNER, SPINNER_TICK, progress_bar};
 use reader::{CANCEL_POLL, EpochRead, Loader, ReadError};
@@ -53,8 +55,11 @@ use work::WorkDir;
 pub enum Method {
     /// From SOURCE itself.
     Direct,
-    /// Through a stagefs mount of SOURCE.
+    /// Through a stagefs mount of SOURCE, as a job with the feed hook reads it: one batch open
+    /// per batch, then the descriptors it got.
     Stagefs,
+    /// Through the same mount, every file opened through FUSE (a job without the hook).
+    StagefsFuse,
     /// From a copy made to the cache's file system before the first epoch.
     CopyFirst,
 }
@@ -62,13 +67,19 @@ pub enum Method {
 impl Method {
     /// In the order they run: copy-first last, once the mount's cache is gone, so both never
     /// need the cache file system's room at the same time.
-    pub const ALL: [Method; 3] = [Method::Direct, Method::Stagefs, Method::CopyFirst];
+    pub const ALL: [Method; 4] = [
+        Method::Direct,
+        Method::Stagefs,
+        Method::StagefsFuse,
+        Method::CopyFirst,
+    ];
 
     /// The name on the command line (`--methods`) and in the table.
     pub fn name(self) -> &'static str {
         match self {
             Method::Direct => "direct",
             Method::Stagefs => "stagefs",
+            Method::StagefsFuse => "stagefs-fuse",
             Method::CopyFirst => "copy-first",
         }
     }
@@ -186,9 +197,8 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
     // The mount starts from this scan, checked fresh, instead of scanning SOURCE again; and
     // a mount that did not scan has no index of its own to write into its cache later,
     // which could race with removing that cache.
-    let index = config
-        .methods
-        .contains(&Method::Stagefs)
+    let index = (config.methods.iter())
+        .any(|m| matches!(m, Method::Stagefs | Method::StagefsFuse))
         .then(|| work.path().join("source.index"));
     if let Some(path) = &index {
         catalog::index::save(&catalog, path)?;
@@ -232,7 +242,8 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         if config.methods.contains(&method) {
             let run = match method {
                 Method::Direct => bench.direct(),
-                Method::Stagefs => bench.stagefs(),
+                Method::Stagefs => bench.stagefs(Method::Stagefs),
+                Method::StagefsFuse => bench.stagefs(Method::StagefsFuse),
                 Method::CopyFirst => bench.copy_first(),
             }?;
             *report.methods.slot(method) = Some(run);
@@ -320,14 +331,16 @@ impl Bench<'_> {
                 &self.source,
                 self.source_files.clone(),
                 None,
+                None,
             )?,
             ..MethodRun::default()
         })
     }
 
-    fn stagefs(&self) -> Result<MethodRun, BenchError> {
-        let list_file = self.work.path().join("subset.list");
-        let mountpoint = self.work.path().join("mnt");
+    /// A fresh mount read as `method` says (hooked, or through FUSE alone).
+    fn stagefs(&self, method: Method) -> Result<MethodRun, BenchError> {
+        let list_file = self.work.path().join(format!("{}.list", method.name()));
+        let mountpoint = self.work.path().join(format!("{}-mnt", method.name()));
         let mut list = Vec::new();
         for path in self.paths.iter() {
             list.extend_from_slice(path.as_os_str().as_encoded_bytes());
@@ -365,12 +378,21 @@ impl Bench<'_> {
             path: mountpoint.clone(),
             source,
         })?;
+        let descriptors = (method == Method::Stagefs).then(|| {
+            let address = mount.0.as_ref().expect("mounted").control.address();
+            Arc::new(Descriptors::new(
+                address,
+                self.paths.clone(),
+                self.config.loader.workers,
+            ))
+        });
         // The opener holds the mount's root: let go before unmounting, which it would keep busy.
         let epochs = self.epochs(
-            Method::Stagefs,
+            method,
             &mountpoint,
             Arc::new(through),
             Some(&mount),
+            descriptors,
         )?;
         drop(mount);
         // The copy that may follow needs the room.
@@ -409,7 +431,7 @@ impl Bench<'_> {
             path: copy.clone(),
             source,
         })?;
-        let epochs = self.epochs(Method::CopyFirst, &copy, Arc::new(local), None)?;
+        let epochs = self.epochs(Method::CopyFirst, &copy, Arc::new(local), None, None)?;
         remove_dir(&copy)?;
         Ok(MethodRun {
             copy_seconds: Some(copy_seconds),
@@ -420,19 +442,25 @@ impl Bench<'_> {
 
     /// Reads every epoch of `method` through `files` (its paths shown under `root`), the
     /// page cache dropped before each (for a mount, from epoch 1 on: before epoch 0 it was
-    /// dropped before mounting); with `mount`, the hits and misses it counted during each.
+    /// dropped before mounting); with `mount`, the hits and misses it counted during each;
+    /// with `descriptors`, each sample from the descriptor its batch got, if it got one.
     fn epochs(
         &self,
         method: Method,
         root: &Path,
         files: Arc<Opener>,
         mount: Option<&Mounted>,
+        descriptors: Option<Arc<Descriptors>>,
     ) -> Result<Vec<Epoch>, BenchError> {
         let (root, paths) = (root.to_path_buf(), self.paths.clone());
-        let read: reader::ReadSample = Arc::new(move |_, i| {
+        let start = descriptors
+            .clone()
+            .map(|d| -> reader::StartBatch { Arc::new(move |w, batch| d.start_batch(w, batch)) });
+        let read: reader::ReadSample = Arc::new(move |w, i| {
             let relative = &paths[i as usize];
-            files
-                .open(i as usize, relative)
+            let granted = descriptors.as_ref().and_then(|d| d.take(w, i));
+            granted
+                .map_or_else(|| files.open(i as usize, relative), Ok)
                 .and_then(reader::read_whole)
                 .map_err(|source| ReadError::Io {
                     path: root.join(relative),
@@ -444,7 +472,7 @@ impl Bench<'_> {
             if e > 0 || mount.is_none() {
                 self.cold.drop_page_cache();
             }
-            let counted_before = mount.map(Mounted::hits_misses);
+            let counted_before = mount.map(Mounted::counts);
             let label = format!("{} epoch {e}", method.name());
             let bar = progress_bar(
                 self.config.progress,
@@ -458,6 +486,7 @@ impl Bench<'_> {
                 &bar,
                 &self.config.cancel,
                 read.clone(),
+                start.clone(),
             )
             .map_err(|source| match source {
                 ReadError::Interrupted => BenchError::Interrupted,
@@ -474,10 +503,14 @@ impl Bench<'_> {
                 stall_seconds,
                 read_seconds,
             } = read;
-            let counted = mount.map(Mounted::hits_misses);
-            let (hits, misses) = match (counted_before, counted) {
-                (Some(before), Some(after)) => (Some(after.0 - before.0), Some(after.1 - before.1)),
-                _ => (None, None),
+            let counted = mount.map(Mounted::counts);
+            let (hits, misses, fuse_opens) = match (counted_before, counted) {
+                (Some(before), Some(after)) => (
+                    Some(after.0 - before.0),
+                    Some(after.1 - before.1),
+                    Some(after.2 - before.2),
+                ),
+                _ => (None, None, None),
             };
             epochs.push(Epoch {
                 seconds,
@@ -487,6 +520,7 @@ impl Bench<'_> {
                 read_seconds,
                 hits,
                 misses,
+                fuse_opens,
             });
         }
         Ok(epochs)
@@ -506,13 +540,14 @@ fn create_new(path: &Path) -> io::Result<File> {
 struct Mounted(Option<RunningMount>);
 
 impl Mounted {
-    /// The mount's hit and miss counters so far.
-    fn hits_misses(&self) -> (u64, u64) {
+    /// The mount's hit, miss and FUSE open counters so far.
+    fn counts(&self) -> (u64, u64, u64) {
         let running = self.0.as_ref().expect("mounted until dropped");
         let s = running
             .data
             .snapshot(running.passthrough.load(Ordering::Relaxed));
-        (s.hits, s.misses)
+        let fuse_opens = s.ops.get("open").copied().unwrap_or(0);
+        (s.hits, s.misses, fuse_opens)
     }
 }
 

@@ -62,6 +62,10 @@ pub enum ReadError {
 /// be stuck in a read), hence shared ownership.
 pub type ReadSample = Arc<dyn Fn(usize, u32) -> Result<u64, ReadError> + Send + Sync>;
 
+/// What worker `w` does before reading a batch (a hooked job's batch open): given the
+/// batch's samples.
+pub type StartBatch = Arc<dyn Fn(usize, &[u32]) + Send + Sync>;
+
 /// Reads an opened file to its end (as a dataset's `__getitem__` does); its size.
 pub fn read_whole(mut file: File) -> io::Result<u64> {
     let mut buf = Vec::new();
@@ -69,14 +73,16 @@ pub fn read_whole(mut file: File) -> io::Result<u64> {
     Ok(buf.len() as u64)
 }
 
-/// Reads each sample of `order` with `read`, as [`Loader`] describes; `progress` advances by
-/// each batch's files. Stops within [`CANCEL_POLL`] once `cancel` is set.
+/// Reads each sample of `order` with `read`, as [`Loader`] describes, each batch after
+/// `start` (if any) was told of it; `progress` advances by each batch's files. Stops within
+/// [`CANCEL_POLL`] once `cancel` is set.
 pub fn read_epoch(
     order: &[u32],
     loader: &Loader,
     progress: &ProgressBar,
     cancel: &Arc<AtomicBool>,
     read: ReadSample,
+    start: Option<StartBatch>,
 ) -> Result<EpochRead, ReadError> {
     let batches: Arc<Vec<Vec<u32>>> = Arc::new(
         order
@@ -96,9 +102,13 @@ pub fn read_epoch(
     let threads: Vec<_> = (senders.into_iter().enumerate())
         .map(|(w, tx)| {
             let (batches, cancel, read) = (batches.clone(), cancel.clone(), read.clone());
+            let start = start.clone();
             std::thread::spawn(move || {
                 for batch in batches.iter().skip(w).step_by(workers) {
                     let started = Instant::now();
+                    if let Some(start) = &start {
+                        start(w, batch);
+                    }
                     let got = read_batch(batch, &cancel, |i| read(w, i))
                         .map(|bytes| (bytes, started.elapsed()));
                     let failed = got.is_err();
@@ -240,6 +250,7 @@ mod tests {
                 &bar,
                 &no_cancel(),
                 whole_files(dir.path(), &paths),
+                None,
             )
             .unwrap();
             assert_eq!(got.files, 7, "{workers} workers, batch {batch}");
@@ -249,27 +260,34 @@ mod tests {
     }
 
     #[test]
-    fn batches_go_to_workers_round_robin_in_order() {
+    fn batches_go_to_workers_round_robin_in_order_each_started_first() {
         let order: Vec<u32> = (0..12).rev().collect();
         let reads = Arc::new(Mutex::new(Vec::new()));
-        let record = reads.clone();
+        let (record, record_start) = (reads.clone(), reads.clone());
         let got = read_epoch(
             &order,
             &loader(2, 3),
             &ProgressBar::hidden(),
             &no_cancel(),
             Arc::new(move |w, i| {
-                record.lock().unwrap().push((w, i));
+                record.lock().unwrap().push((w, i as i64));
                 Ok(1)
             }),
+            Some(Arc::new(move |w, batch: &[u32]| {
+                // A batch's start, recorded as minus its first sample (less one).
+                record_start.lock().unwrap().push((w, -1 - batch[0] as i64));
+            })),
         )
         .unwrap();
         assert_eq!((got.files, got.bytes), (12, 12));
         // Batches [11 10 9] [8 7 6] [5 4 3] [2 1 0]: worker 0 reads the first and third,
-        // worker 1 the others, each in the sampler's order.
+        // worker 1 the others, each in the sampler's order, each told of its batch first.
         let reads = reads.lock().unwrap().clone();
-        for (w, expected) in [(0, [11, 10, 9, 5, 4, 3]), (1, [8, 7, 6, 2, 1, 0])] {
-            let of_worker: Vec<u32> = reads
+        for (w, expected) in [
+            (0, [-12, 11, 10, 9, -6, 5, 4, 3]),
+            (1, [-9, 8, 7, 6, -3, 2, 1, 0]),
+        ] {
+            let of_worker: Vec<i64> = reads
                 .iter()
                 .filter(|(r, _)| *r == w)
                 .map(|(_, i)| *i)
@@ -289,6 +307,7 @@ mod tests {
             &bar,
             &cancel,
             whole_files(dir, paths),
+            None,
         )
         .map(|r| r.bytes)
     }
@@ -335,6 +354,7 @@ mod tests {
                 let _ = stuck.lock().unwrap().recv();
                 Ok(1)
             }),
+            None,
         )
         .unwrap_err();
         assert!(matches!(err, ReadError::Interrupted), "{err}");
