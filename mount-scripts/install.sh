@@ -8,7 +8,7 @@
 # none), SBINDIR (where mount(8) looks for helpers, default /sbin), UNITDIR (default
 # /etc/systemd/system). Installs:
 #   PREFIX/bin/stagefs
-#   PREFIX/libexec/stagefs/   stagefs-run, mount.fuse.stagefs, slurm-prolog.sh,
+#   PREFIX/libexec/stagefs/   stagefs-run, mount.fuse.stagefs, slurm-prolog.sh, slurm-task-prolog.sh,
 #                             slurm-epilog.sh, stagefs-lib.sh, slurm-example.sbatch
 #   PREFIX/bin/stagefs-run -> ../libexec/stagefs/stagefs-run
 #   PREFIX/lib/stagefs/python/  the feed hook (what `stagefs feed-env` puts on PYTHONPATH)
@@ -51,7 +51,7 @@ libexec=$prefix/libexec/stagefs
 
 install -d "$dest$prefix/bin" "$dest$libexec" "$dest$sbindir" "$dest$unitdir"
 install -m 0755 "$binary" "$dest$prefix/bin/stagefs"
-for f in stagefs-run mount.fuse.stagefs slurm-prolog.sh slurm-epilog.sh; do
+for f in stagefs-run mount.fuse.stagefs slurm-prolog.sh slurm-epilog.sh slurm-task-prolog.sh; do
   install -m 0755 "$here/$f" "$dest$libexec/$f"
 done
 install -m 0644 "$here/stagefs-lib.sh" "$here/slurm-example.sbatch" "$dest$libexec/"

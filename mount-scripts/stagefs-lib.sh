@@ -223,3 +223,10 @@ state_dir() {
   mkdir -p -m 0700 -- "$conf_STATE_DIR" || return 1
   printf '%s\n' "$conf_STATE_DIR"
 }
+
+# Prints the shell lines that turn the feed hook on for a job using the mount at $2 (`$1
+# feed-env`), or nothing when the job's environment has STAGEFS_HOOK=0.
+stagefs_hook_env() {
+  [ "${STAGEFS_HOOK:-1}" != 0 ] || return 0
+  "$1" feed-env "$2"
+}

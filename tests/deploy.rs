@@ -350,6 +350,7 @@ fn every_script_has_a_header_and_is_shellcheck_clean() {
         "slurm-epilog.sh",
         "slurm-example.sbatch",
         "slurm-prolog.sh",
+        "slurm-task-prolog.sh",
         "stagefs-lib.sh",
         "stagefs-run",
     ];
@@ -413,6 +414,81 @@ fn stagefs_run_returns_the_command_status_and_unmounts() {
             // The final statistics are the mount's, taken after the reader finished.
             assert_eq!(final_opens(&stderr), files, "stderr:\n{stderr}");
             assert_daemon_exits(fs::read_to_string(&pidfile).unwrap().parse().unwrap());
+        }
+    }
+}
+
+/// Where the job's hook directory is: the first PYTHONPATH entry, holding the hook.
+fn hook_first(pythonpath: &str, rest: &str) {
+    let (first, after) = pythonpath.split_once(':').unwrap_or((pythonpath, ""));
+    assert!(
+        Path::new(first).join("stagefs_feed/opens.py").is_file(),
+        "{pythonpath}"
+    );
+    assert_eq!(after, rest, "{pythonpath}");
+}
+
+/// The hook is on by default where we launch the job: the Slurm TaskProlog prints it into
+/// every task's environment (whole, Slurm does no expansion) and stagefs-run gives it to
+/// COMMAND; STAGEFS_HOOK=0 in the job's environment turns both off.
+#[test]
+fn the_hook_is_on_in_launched_jobs_unless_they_turn_it_off() {
+    let task_prolog = |env: &[(&str, &str)]| {
+        let out = Command::new(script("slurm-task-prolog.sh"))
+            .env("STAGEFS", bin())
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stderr), "");
+        text(&out.stdout)
+    };
+    let on = task_prolog(&[("PYTHONPATH", "/site/a:/site/b")]);
+    let value = on.strip_prefix("export PYTHONPATH=").expect(&on);
+    hook_first(value.trim_end(), "/site/a:/site/b");
+    let alone = task_prolog(&[]);
+    hook_first(
+        alone
+            .strip_prefix("export PYTHONPATH=")
+            .expect(&alone)
+            .trim_end(),
+        "",
+    );
+    assert_eq!(task_prolog(&[("STAGEFS_HOOK", "0")]), "");
+
+    let tmp = TempDir::new().unwrap();
+    let source = tmp.path().join("src");
+    image_folder(&source, 3, 1, 10, 20);
+    let show = [
+        PYTHON,
+        "-c",
+        "import os; print(os.environ.get('PYTHONPATH', '-'))",
+    ];
+    for (hook, want_hook) in [("1", true), ("0", false)] {
+        let work = tmp.path().join(format!("hook{hook}"));
+        fs::create_dir_all(&work).unwrap();
+        let mnt = work.join("mnt");
+        let mut guard = Guard::default();
+        guard.mount(&mnt);
+        let mut cmd = Command::new(script("stagefs-run"));
+        let out = cmd
+            .arg(&source)
+            .arg(&mnt)
+            .arg("--cache")
+            .arg(work.join("cache"))
+            .arg("--")
+            .args(show)
+            .env("STAGEFS", bin())
+            .env("STAGEFS_HOOK", hook)
+            .env("PYTHONPATH", "/site")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let seen = text(&out.stdout).trim().to_string();
+        if want_hook {
+            hook_first(&seen, "/site");
+        } else {
+            assert_eq!(seen, "/site");
         }
     }
 }
@@ -1212,6 +1288,7 @@ fn install_sh_installs_a_layout_whose_scripts_find_the_binary() {
         "libexec/stagefs/mount.fuse.stagefs",
         "libexec/stagefs/slurm-prolog.sh",
         "libexec/stagefs/slurm-epilog.sh",
+        "libexec/stagefs/slurm-task-prolog.sh",
     ] {
         let mode = fs::metadata(at(&format!("{prefix}/{exe}")))
             .unwrap()

@@ -386,6 +386,9 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
             [Some(opens), Some(0), Some(0)],
             "node {node}: every read a predicted hit: {last}"
         );
+        // The TaskProlog turned the hook on: the reads were batch opens, not FUSE opens.
+        assert_eq!(last["descriptor_opens"], opens, "node {node}: {last}");
+        assert_eq!(last["ops"]["open"], 0, "node {node}: {last}");
         let mounted = format!(
             "job {id}: mounted {} at {} (node {node}: ranks {ranks} of {WORLD})",
             source.display(),

@@ -115,6 +115,8 @@ MpiDefault=none
 PrologFlags=Alloc
 Prolog=$state/prolog
 Epilog=$state/epilog
+# The feed hook in every task (batch opens), as the deployment docs install it.
+TaskProlog=$state/task-prolog
 # The prolog scans the dataset; the tests' datasets are small.
 PrologEpilogTimeout=120
 # A node that was down because slurmd stopped comes back by itself when it registers again;
@@ -144,6 +146,9 @@ EOF
       "$state" "$REPO/mount-scripts/slurm-$which.sh" >"$state/$which"
     chmod 0755 "$state/$which"
   done
+  printf '#!/bin/sh\nSTAGEFS=%q exec %q "$@"\n' "$stagefs" "$REPO/mount-scripts/slurm-task-prolog.sh" \
+    >"$state/task-prolog"
+  chmod 0755 "$state/task-prolog"
 }
 
 start_munged() {
