@@ -18,7 +18,7 @@ sent = []
 
 
 def fake_target(dataset):
-    return ("/fake", "@fake", None, None)
+    return ("/fake", "@fake", None, None, None)
 
 
 class FakeChannel:

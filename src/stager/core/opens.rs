@@ -55,7 +55,7 @@ impl<R> Core<R> {
 
     /// Whether `file` belongs to the predicted stream: a sample of its dataset, or for an
     /// announced order, a file of the epochs the job announced (the reader's and the next).
-    fn in_predicted_stream(&self, file: FileId) -> bool {
+    pub(super) fn in_predicted_stream(&self, file: FileId) -> bool {
         let generation = self.tracker.generation();
         if !generation.predicts() {
             return false;

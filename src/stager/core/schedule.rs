@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::{Answer, Core, Effects, FileState, Job, Wake};
 use crate::catalog::FileId;
+use crate::stager::eviction::OTHER_STREAM;
 use crate::stats::Counters;
 
 impl<R> Core<R> {
@@ -28,11 +29,12 @@ impl<R> Core<R> {
                 continue;
             }
             let size = self.size_of(file);
-            // A reader waits for it now: anything else may go.
+            // A reader waits for it now: anything else may go (for another stream's file,
+            // anything not staged for the predicted one).
             if let Some(size) = size
-                && !self.room_for(size, 0, effects)
+                && !self.room_for(size, self.urgent_needed_at(file), effects)
             {
-                // No room at all: serve the waiting readers from SOURCE instead.
+                // No room: serve the waiting readers from SOURCE instead.
                 self.files.set(file, FileState::Remote);
                 for w in self.waiters.take(file) {
                     self.stalled(w.since, now);
@@ -53,6 +55,16 @@ impl<R> Core<R> {
         None
     }
 
+    /// What an urgent copy of `file` is needed at, for eviction: now (0), unless it belongs to
+    /// another stream than the one predicted ([`OTHER_STREAM`]).
+    fn urgent_needed_at(&self, file: FileId) -> u64 {
+        if self.tracker.generation().predicts() && !self.in_predicted_stream(file) {
+            OTHER_STREAM
+        } else {
+            0
+        }
+    }
+
     /// Whether a copy of `bytes` fits the cache, making room for it (for a file needed at
     /// `needed_at`) if the eviction policy gives some.
     fn room_for(&mut self, bytes: u64, needed_at: u64, effects: &mut Effects<R>) -> bool {
@@ -65,7 +77,10 @@ impl<R> Core<R> {
     ///
     /// [`CopyError::NoRoom`]: crate::cache::CopyError::NoRoom
     pub fn admit(&mut self, job: Job, size: u64, effects: &mut Effects<R>) -> bool {
-        let needed_at = job.position.map_or(0, |pos| self.ahead_needed_at(pos));
+        let needed_at = match job.position {
+            Some(pos) => self.ahead_needed_at(pos),
+            None => self.urgent_needed_at(job.file),
+        };
         if !self.room_for(size, needed_at, effects) {
             return false;
         }

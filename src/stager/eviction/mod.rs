@@ -18,7 +18,7 @@ pub use belady::Belady;
 pub use lru::Lru;
 
 use crate::catalog::FileId;
-use crate::plan::Position;
+use crate::plan::{NEVER, Position};
 
 /// What the engine core asks of an eviction policy.
 pub trait Eviction: Send {
@@ -52,6 +52,13 @@ pub trait Eviction: Send {
     /// The copies whose next use is not known (to be told once the next epoch is planned).
     fn unplanned(&self) -> Vec<FileId>;
 }
+
+/// What a file of another stream than the predicted one (a validation set, label files) is
+/// needed at when a reader waits for it: after every predicted position, before every copy
+/// ranked by recency. It takes room only from copies not needed again or ranked by recency,
+/// never from one staged for a predicted read: that copy would have to be staged again, while
+/// reading the other stream's file from SOURCE costs what copying it would.
+pub const OTHER_STREAM: Position = NEVER / 4;
 
 /// The policies, as `--eviction` names them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
