@@ -24,70 +24,60 @@ use crate::stats::Counters;
 use crate::sys;
 
 /// Opens `files` for the process `pid` (None: the caller opens that one through the mount)
-/// and answers with their descriptors.
+/// and answers with their descriptors. The opens go to the stager in the batch's order and
+/// are waited for together: a batch of misses is staged by every copy thread at once, and
+/// waits at most as long as its slowest file (the stager answers every open within
+/// `--open-timeout`).
 pub(super) fn open_files(
     data: &MountedDataset,
     launchers: &Launchers,
     pid: u32,
     files: &[Option<FileId>],
 ) -> Reply {
-    let counters = &data.counters;
+    let (stager, counters) = (&data.stager, &data.counters);
     Counters::add(&counters.batch_requests, 1);
+    let (tx, rx) = mpsc::channel();
+    for (i, id) in files.iter().enumerate() {
+        let Some(id) = *id else {
+            Counters::add(&counters.batch_refused, 1);
+            continue;
+        };
+        if stager.wants_job_ranks() {
+            stager.observe_open(id, launchers.rank_of(pid), pid);
+        }
+        let tx = tx.clone();
+        stager.open(
+            id,
+            Box::new(move |opened| {
+                let _ = tx.send((i, opened));
+            }),
+        );
+    }
+    drop(tx);
+    let mut answers = vec![Value::Null; files.len()];
     let mut fds = Vec::new();
-    let entries: Vec<Value> = files
-        .iter()
-        .map(|file| {
-            let Some(id) = *file else {
-                Counters::add(&counters.batch_refused, 1);
-                return Value::Null;
-            };
-            match open_one(data, launchers, pid, id) {
-                Ok(Some(fd)) => {
-                    fds.push(fd);
+    // Ends once every open was answered (each answer drops its sender).
+    for (i, opened) in rx {
+        answers[i] = match opened {
+            Ok(Opened::Cache(copy)) => match sys::reopen_read_only(copy.file().as_fd()) {
+                Ok(file) => {
+                    fds.push(OwnedFd::from(file));
                     Counters::add(&counters.descriptor_opens, 1);
                     json!(fds.len() - 1)
                 }
-                Ok(None) => Value::Null,
-                Err(errno) => json!({ "errno": errno }),
-            }
-        })
-        .collect();
-    let mut reply = Reply::ok().with("files", entries);
+                Err(e) => {
+                    log::warn!(
+                        "batch open: cannot reopen a cached copy read-only ({e}); the job opens it through the mount"
+                    );
+                    Value::Null
+                }
+            },
+            // Read through from SOURCE: left to the mount, which checks each read.
+            Ok(Opened::Source(_)) => Value::Null,
+            Err(e) => json!({ "errno": e.errno() }),
+        };
+    }
+    let mut reply = Reply::ok().with("files", answers);
     reply.fds = fds;
     reply
-}
-
-/// One file's cached copy as the stager answers its open, reopened read-only (None: read
-/// through the mount); the errno a FUSE open would have failed with otherwise.
-fn open_one(
-    data: &MountedDataset,
-    launchers: &Launchers,
-    pid: u32,
-    id: FileId,
-) -> Result<Option<OwnedFd>, i32> {
-    let stager = &data.stager;
-    if stager.wants_job_ranks() {
-        stager.observe_open(id, launchers.rank_of(pid), pid);
-    }
-    let (tx, rx) = mpsc::channel();
-    stager.open(
-        id,
-        Box::new(move |opened| {
-            let _ = tx.send(opened);
-        }),
-    );
-    // The stager answers every open exactly once, within its --open-timeout.
-    let opened = rx.recv().map_err(|_| libc::EIO)?.map_err(|e| e.errno())?;
-    let Opened::Cache(copy) = opened else {
-        return Ok(None);
-    };
-    match sys::reopen_read_only(copy.file().as_fd()) {
-        Ok(file) => Ok(Some(file.into())),
-        Err(e) => {
-            log::warn!(
-                "batch open: cannot reopen a cached copy read-only ({e}); the job opens it through the mount"
-            );
-            Ok(None)
-        }
-    }
 }
