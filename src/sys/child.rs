@@ -8,7 +8,8 @@
 //! The child answers over a socket: a code (the value's length, or minus the errno), the
 //! value, and maybe a descriptor. The calls a child makes allocate nothing and take no lock,
 //! so they are safe after a fork in a process with other threads: [`super::mount_of`],
-//! `openat`, `fchdir`, `umount2`, [`super::getxattr`], [`send_answer`].
+//! `openat`, `fchdir`, `umount2`, [`super::getxattr`], [`send_answer`] (which sends with
+//! [`send_with_fds`], allocation-free).
 
 use std::ffi::CStr;
 use std::io;
@@ -17,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::mount::openat;
 use super::process::poll_readable;
+use super::socket::{recv_with_fds, send_with_fds};
 use super::{check, getxattr};
 
 /// The largest attribute value a child reads (statistics are a few KiB).
@@ -177,43 +179,17 @@ unsafe fn fork_child(
     Ok((pid, ours))
 }
 
-/// Room for one SCM_RIGHTS control message carrying one descriptor (CMSG_SPACE(4) is 24 on
-/// 64-bit Linux), aligned as cmsghdr requires.
-#[repr(C, align(8))]
-struct OneFdControl([u8; 32]);
-
 /// Sends `bytes` and, with the first of them, descriptor `fd` over socket `sock`. Allocates
 /// nothing (a forked child's answer).
 fn send_answer(sock: BorrowedFd<'_>, mut bytes: &[u8], fd: Option<BorrowedFd<'_>>) {
-    let mut control = OneFdControl([0; 32]);
     let mut fd = fd;
     while !bytes.is_empty() {
-        let mut iov = libc::iovec {
-            iov_base: bytes.as_ptr() as *mut libc::c_void,
-            iov_len: bytes.len(),
-        };
-        // SAFETY: msghdr is plain data, for which all zeroes is a valid value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        if let Some(fd) = fd.take() {
-            msg.msg_control = control.0.as_mut_ptr().cast();
-            // SAFETY: CMSG_SPACE is arithmetic.
-            msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as usize;
-            // SAFETY: the control buffer holds one cmsghdr and 4 bytes of data (see above).
-            unsafe {
-                let header = libc::CMSG_FIRSTHDR(&msg);
-                (*header).cmsg_level = libc::SOL_SOCKET;
-                (*header).cmsg_type = libc::SCM_RIGHTS;
-                (*header).cmsg_len = libc::CMSG_LEN(4) as usize;
-                libc::CMSG_DATA(header)
-                    .cast::<RawFd>()
-                    .write_unaligned(fd.as_raw_fd());
+        let fds = fd.as_slice();
+        match send_with_fds(sock, bytes, fds) {
+            Ok(n) => {
+                bytes = &bytes[n..];
+                fd = None;
             }
-        }
-        // SAFETY: the message points at the buffers above, alive for the call.
-        match check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) } as _) {
-            Ok(n) => bytes = &bytes[n as usize..],
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(_) => return,
         }
@@ -235,33 +211,14 @@ fn read_answer(sock: &OwnedFd, deadline: Instant) -> Option<(Vec<u8>, Option<Own
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => return Some((bytes, fd)),
         }
-        let mut control = OneFdControl([0; 32]);
-        let mut iov = libc::iovec {
-            iov_base: chunk.as_mut_ptr().cast(),
-            iov_len: chunk.len(),
-        };
-        // SAFETY: msghdr is plain data, for which all zeroes is a valid value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.0.as_mut_ptr().cast();
-        msg.msg_controllen = control.0.len();
-        // SAFETY: the message points at buffers we own, alive for the call.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        match check(n as _) {
-            Ok(0) => return Some((bytes, fd)),
-            Ok(n) => bytes.extend_from_slice(&chunk[..n as usize]),
+        match recv_with_fds(sock.as_fd(), &mut chunk, 1) {
+            Ok((0, _)) => return Some((bytes, fd)),
+            Ok((n, received)) => {
+                bytes.extend_from_slice(&chunk[..n]);
+                fd = fd.or(received.into_iter().next());
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => return Some((bytes, fd)),
-        }
-        // SAFETY: CMSG_FIRSTHDR reads the header fields recvmsg filled in.
-        let header = unsafe { libc::CMSG_FIRSTHDR(&msg) };
-        // SAFETY: a non-null header lies within the control buffer, as recvmsg wrote it.
-        if !header.is_null() && unsafe { (*header).cmsg_type } == libc::SCM_RIGHTS {
-            // SAFETY: an SCM_RIGHTS message carries a descriptor now ours (one was sent).
-            let raw = unsafe { libc::CMSG_DATA(header).cast::<RawFd>().read_unaligned() };
-            // SAFETY: the kernel installed it for this process; nothing else owns it.
-            fd = Some(unsafe { OwnedFd::from_raw_fd(raw) });
         }
     }
 }

@@ -3,7 +3,7 @@
 //! with what a client says about itself.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// The credentials of a Unix socket's peer as the kernel recorded them when it connected
 /// (SO_PEERCRED): (pid, uid, gid). Nothing the peer does later changes them.
@@ -81,9 +81,16 @@ pub fn hung_up(socket: BorrowedFd<'_>) -> bool {
 /// Most descriptors one message carries (the kernel's SCM_MAX_FD).
 pub const MAX_FDS_PER_MESSAGE: usize = 253;
 
+/// Room for a control message of [`MAX_FDS_PER_MESSAGE`] descriptors (CMSG_SPACE(253 * 4) is
+/// 1,032 bytes on 64-bit Linux), aligned as cmsghdr requires: on the stack, so a forked
+/// child can send without allocating.
+#[repr(C, align(8))]
+struct FdsControl([u8; 1040]);
+
 /// Sends `bytes` on a connected Unix socket with `fds` attached to them (SCM_RIGHTS; at most
 /// [`MAX_FDS_PER_MESSAGE`]); returns how many bytes went. The descriptors travel with the
 /// first byte, so a partial send still delivers them all; the caller sends the rest plainly.
+/// Allocates nothing (a forked child's answer uses it).
 pub fn send_with_fds(
     socket: BorrowedFd<'_>,
     bytes: &[u8],
@@ -92,11 +99,7 @@ pub fn send_with_fds(
     if fds.len() > MAX_FDS_PER_MESSAGE || bytes.is_empty() {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
-    let raw: Vec<libc::c_int> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-    let payload = std::mem::size_of_val(raw.as_slice()) as u32;
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(payload) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut control = FdsControl([0; 1040]);
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
@@ -105,9 +108,11 @@ pub fn send_with_fds(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    if !raw.is_empty() {
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
+    if !fds.is_empty() {
+        let payload = (fds.len() * std::mem::size_of::<libc::c_int>()) as u32;
+        msg.msg_control = control.0.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE only computes a size (at most the buffer's, for 253 fds).
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(payload) } as _;
         // SAFETY: the control buffer holds CMSG_SPACE(payload) bytes, 8-aligned, so the first
         // header and its `payload` bytes of data fit in it.
         unsafe {
@@ -115,7 +120,10 @@ pub fn send_with_fds(
             (*header).cmsg_level = libc::SOL_SOCKET;
             (*header).cmsg_type = libc::SCM_RIGHTS;
             (*header).cmsg_len = libc::CMSG_LEN(payload) as _;
-            std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(header).cast(), raw.len());
+            let data = libc::CMSG_DATA(header).cast::<libc::c_int>();
+            for (i, fd) in fds.iter().enumerate() {
+                data.add(i).write_unaligned(fd.as_raw_fd());
+            }
         }
     }
     // SAFETY: msg points at the live iovec and control buffer above.
@@ -130,12 +138,9 @@ pub fn recv_with_fds(
     socket: BorrowedFd<'_>,
     buf: &mut [u8],
     max_fds: usize,
-) -> io::Result<(usize, Vec<std::os::fd::OwnedFd>)> {
-    use std::os::fd::FromRawFd;
-    let max_fds = max_fds.min(MAX_FDS_PER_MESSAGE);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((max_fds.max(1) * 4) as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
+) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let max_fds = max_fds.clamp(1, MAX_FDS_PER_MESSAGE);
+    let mut control = FdsControl([0; 1040]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -144,8 +149,9 @@ pub fn recv_with_fds(
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a size (at most the buffer's).
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE((max_fds * 4) as u32) } as _;
     // SAFETY: msg points at live buffers of the sizes it states.
     let read = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     let read = super::check(read as libc::c_long)? as usize;
@@ -159,9 +165,7 @@ pub fn recv_with_fds(
                 let bytes = (*header).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
                 let data = libc::CMSG_DATA(header).cast::<libc::c_int>();
                 for i in 0..bytes / 4 {
-                    fds.push(std::os::fd::OwnedFd::from_raw_fd(
-                        data.add(i).read_unaligned(),
-                    ));
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
                 }
             }
             header = libc::CMSG_NXTHDR(&msg, header);

@@ -76,8 +76,20 @@ impl Scene {
     }
 
     fn of(files: u32, sampler: SamplerConfig, ranks: Vec<u32>, settings: StagerSettings) -> Scene {
+        Scene::sampling(files, files, sampler, ranks, settings)
+    }
+
+    /// `files` files, of which the first `samples` are the sampler's dataset (the others
+    /// another stream's, e.g. a validation set).
+    fn sampling(
+        files: u32,
+        samples: u32,
+        sampler: SamplerConfig,
+        ranks: Vec<u32>,
+        settings: StagerSettings,
+    ) -> Scene {
         let catalog = Arc::new(Catalog::flat(&vec![SIZE; files as usize]));
-        let layout = Arc::new(Layout::of_files((1..=files).collect()));
+        let layout = Arc::new(Layout::of_files((1..=samples).collect()));
         let plan = Plan::new(sampler, ranks, layout, catalog.len()).unwrap();
         let counters = Arc::new(Counters::default());
         let core = Core::new(catalog, plan.generation(), settings, counters.clone());
@@ -387,30 +399,9 @@ impl Scene {
     /// 100 training files (the predicted stream, a shuffling sampler) and 20 of a validation
     /// set after them (files 101-120), a cache of `capacity_files`.
     fn training_and_validation(capacity_files: u64, eviction: EvictionKind) -> Scene {
-        let catalog = Arc::new(Catalog::flat(&[SIZE; 120]));
-        let layout = Arc::new(Layout::of_files((1..=100).collect()));
-        let plan = Plan::new(
-            sampler(SamplerKind::TorchRandom, 3),
-            vec![0],
-            layout,
-            catalog.len(),
-        );
-        let plan = plan.unwrap();
-        let counters = Arc::new(Counters::default());
+        let training = sampler(SamplerKind::TorchRandom, 3);
         let settings = settings(capacity_files, eviction);
-        let core = Core::new(catalog, plan.generation(), settings, counters.clone());
-        let mut s = Scene {
-            core,
-            plan,
-            counters,
-            now: Instant::now(),
-            unlinked: Vec::new(),
-            answers: Vec::new(),
-            searches: Vec::new(),
-            wakes: Vec::new(),
-        };
-        s.hand_over();
-        s
+        Scene::sampling(120, 100, training, vec![0], settings)
     }
 }
 
