@@ -139,7 +139,7 @@ pub fn table(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>5}  {:<10} {:>8} {:>8} {:>7} {:>11} {:>7} {:>7}",
+        "{:>5}  {:<12} {:>8} {:>8} {:>7} {:>11} {:>7} {:>7}",
         "epoch", "method", "seconds", "files/s", "MB/s", "hits", "stall s", "read s"
     );
     let epochs = report
@@ -159,7 +159,7 @@ pub fn table(report: &Report) -> String {
             };
             let _ = writeln!(
                 out,
-                "{epoch:>5}  {:<10} {:>8.2} {:>8.0} {:>7.1} {hits:>11} {:>7.2} {:>7.2}",
+                "{epoch:>5}  {:<12} {:>8.2} {:>8.0} {:>7.1} {hits:>11} {:>7.2} {:>7.2}",
                 method.name(),
                 e.seconds,
                 per_second(e.files as f64, e.seconds),

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # `stagefs bench` over plain local disk and over a loopback GlusterFS volume, each without and
-# with compute per batch: the numbers of issue #17 (a table and a chart per run).
+# with compute per batch, all four methods (direct, stagefs with the hook's batch opens,
+# stagefs-fuse, copy-first): the numbers of issues #17 and #28 (a table and a chart per run).
 #
-# Run by hand, as root, after `cargo build --release` (not in CI: it takes minutes, and
-# timings on a shared machine are noisy, so read the ratios within one run):
+# Run by hand, as root, after `cargo build --release` (or with STAGEFS naming the binary; not
+# in CI: it takes minutes, and timings on a shared machine are noisy, so read the ratios
+# within one run):
 #
 #   bash tests/bench/bench_cmd.sh [OUT_DIR]     (default /tmp/stagefs-bench-cmd)
 #
@@ -21,7 +23,7 @@ FILES="${FILES:-2000}"
 EPOCHS="${EPOCHS:-3}"
 WORKERS="${WORKERS:-2}"
 COMPUTE_MS="${COMPUTE_MS:-60}"
-STAGEFS="$PWD/target/release/stagefs"
+STAGEFS="${STAGEFS:-$PWD/target/release/stagefs}"
 GLUSTER="$PWD/tests/e2e/gluster.sh"
 WORK="$(mktemp -d /var/tmp/stagefs-bench-cmd.XXXXXX)"
 VOLUME=stagefsbenchcmd
@@ -55,7 +57,7 @@ run() {
   local name="$1" source="$2" compute="$3"
   echo "=== $name: compute ${compute} ms per batch"
   "$STAGEFS" bench "$source" --cache "$WORK/cache" --epochs "$EPOCHS" --workers "$WORKERS" \
-    --compute-ms "$compute" --json "$OUT/$name-compute$compute.json" | tee "$OUT/$name-compute$compute.txt"
+    --compute-ms "$compute" --methods direct,stagefs,stagefs-fuse,copy-first --json "$OUT/$name-compute$compute.json" | tee "$OUT/$name-compute$compute.txt"
 }
 
 mkdir -p "$WORK/cache" "$WORK/local"
