@@ -207,15 +207,20 @@ fn a_copy_evicted_after_its_descriptor_was_sent_still_reads_whole() {
     mount.unmount();
 }
 
-/// The job as `batch_job.py` runs it: the files it read, in order, with their bytes' MD5.
-fn job(root: &Path, workers: u32, env: &[(String, String)]) -> Value {
-    let out = Command::new("/usr/bin/python3")
+/// `batch_job.py` over `root` with `workers` workers, 2 epochs, `delay_ms` per sample.
+fn batch_job(root: &Path, workers: u32, delay_ms: u32, env: &[(String, String)]) -> Command {
+    let mut command = Command::new("/usr/bin/python3");
+    command
         .arg(e2e_dir().join("batch_job.py"))
         .arg(format!("{}/", root.display()))
-        .args([&workers.to_string(), "2", "7"])
-        .envs(env.iter().cloned())
-        .output()
-        .unwrap();
+        .args([&workers.to_string(), "2", "7", &delay_ms.to_string()])
+        .envs(env.iter().cloned());
+    command
+}
+
+/// The job as `batch_job.py` runs it: the files it read, in order, with their bytes' MD5.
+fn job(root: &Path, workers: u32, env: &[(String, String)]) -> Value {
+    let out = batch_job(root, workers, 0, env).output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stderr = text(&out.stderr);
     assert!(!stderr.contains("stagefs-feed: warning"), "{stderr}");
@@ -260,4 +265,47 @@ fn the_hook_reads_the_same_bytes_in_the_same_order_without_fuse_opens() {
         eprintln!("{workers} workers: {by_descriptor} opens by descriptor, {opens} through FUSE");
         mount.unmount();
     }
+}
+
+/// The daemon stopped mid-epoch for longer than the hook waits for an answer (20 s): the
+/// worker whose batch open went unanswered says so once and opens through the mount (which
+/// waits for the daemon, as any open would), and the job finishes with the same files, bytes
+/// and order; once the daemon runs again, later batches are batch opens again.
+#[test]
+fn a_daemon_stopped_mid_epoch_costs_a_warning_and_nothing_else() {
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let source = work.path().join("src");
+    image_folder(&source, 300, 6, 4_000, 12_000);
+    let want = job(&source, 2, &[]);
+    let options = ["--sampler", "torch-random", "--seed", "7"];
+    let mount = TestMount::new(&source, work.path(), &options);
+    let stderr_path = work.path().join("job.stderr");
+    let running = batch_job(&mount.mnt, 2, 10, &feed_env())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    mount.wait_stat("descriptor_opens", 64);
+    let pid = mount.daemon_pid();
+    signal(pid, libc::SIGSTOP);
+    std::thread::sleep(std::time::Duration::from_secs(23));
+    signal(pid, libc::SIGCONT);
+    let stopped_at = mount.stat("descriptor_opens");
+    let out = running.wait_with_output().unwrap();
+    let stderr = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(out.status.success(), "{stderr}");
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got, want, "same files, same bytes, same order");
+    let warnings = stderr.matches("stagefs-feed: warning").count();
+    // One per worker process whose batch open went unanswered, at most.
+    assert!((1..=2).contains(&warnings), "{stderr}");
+    assert!(stderr.contains("cannot open a batch's files"), "{stderr}");
+    // The next epoch's workers open their batches with the daemon again.
+    assert!(
+        mount.stat("descriptor_opens") > stopped_at + 100,
+        "{}",
+        mount.stats()
+    );
+    mount.unmount();
 }

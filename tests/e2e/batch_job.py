@@ -1,18 +1,24 @@
-"""tests/batch_opens.rs: `batch_job.py ROOT WORKERS EPOCHS SEED`: an unmodified DataLoader
-over a DatasetFolder whose loader reads each file with open(path, "rb") (as torchvision's
-pil_loader does), shuffled by a seeded generator. Prints one JSON line: the files in the order
-read and the MD5 of each file's bytes."""
+"""tests/batch_opens.rs: `batch_job.py ROOT WORKERS EPOCHS SEED [MS]`: an unmodified
+DataLoader over a DatasetFolder whose loader reads each file with open(path, "rb") (as
+torchvision's pil_loader does), shuffled by a seeded generator, taking MS milliseconds per
+sample (default 0). Prints one JSON line: the files in the order read and the MD5 of each
+file's bytes."""
 
 import hashlib
 import json
 import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader
 from torchvision.datasets import DatasetFolder
 
 
+DELAY = float(sys.argv[5]) / 1000 if len(sys.argv) > 5 else 0.0
+
+
 def read(path):
+    time.sleep(DELAY)
     with open(path, "rb") as f:
         return path, hashlib.md5(f.read()).hexdigest()
 
