@@ -309,3 +309,32 @@ fn a_daemon_stopped_mid_epoch_costs_a_warning_and_nothing_else() {
     );
     mount.unmount();
 }
+
+/// A file read through from SOURCE (here: larger than `--read-through-above`) comes as the
+/// descriptor the daemon opened and verified on SOURCE: its bytes, one open counted, no FUSE
+/// open after it.
+#[test]
+fn a_file_read_through_comes_as_sources_descriptor_and_counts_once() {
+    let work = tempfile::tempdir().unwrap();
+    let source = work.path().join("src");
+    image_folder(&source, 8, 2, 3_000, 3_001);
+    let options = ["--sampler", "none", "--read-through-above", "2K"];
+    let mount = TestMount::new(&source, work.path(), &options);
+    let mut client = Client::connect(&address(&mount)).unwrap();
+    let rel = "class001/img000003.jpg";
+    let (reply, mut fds) = open_batch(&mut client, &[rel]);
+    assert_eq!(reply["files"], json!([0]), "{reply}");
+    let fd = fds.pop().unwrap();
+    assert_eq!(contents(fd), std::fs::read(source.join(rel)).unwrap());
+    let stats = mount.stats();
+    assert_eq!(
+        stats["hits"].as_u64().unwrap() + stats["misses"].as_u64().unwrap(),
+        1,
+        "{stats}"
+    );
+    assert_eq!(
+        (&stats["descriptor_opens"], &stats["ops"]["open"]),
+        (&json!(1), &json!(0))
+    );
+    mount.unmount();
+}

@@ -8,8 +8,11 @@
 //! see the job's, a miss is staged urgently), and a cached copy is opened again read-only for
 //! the caller (its own offset and flags: the caller can neither write the copy nor change how
 //! the daemon reads it). A copy evicted after its descriptor went still reads whole (eviction
-//! unlinks, it never truncates). A file the stager reads through from SOURCE is left to the
-//! mount, whose reads check at each call that it is still the version catalogued.
+//! unlinks, it never truncates). A file the stager reads through from SOURCE (too large to
+//! stage, or no room for it) is sent as the read-only descriptor the stager opened for this
+//! open alone and verified as the version catalogued: the job reads SOURCE's file directly, as
+//! a direct read would (answering it "through the mount" instead had the job open it a
+//! second time, and every such open counted twice).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
@@ -58,24 +61,26 @@ pub(super) fn open_files(
     let mut fds = Vec::new();
     // Ends once every open was answered (each answer drops its sender).
     for (i, opened) in rx {
-        answers[i] = match opened {
-            Ok(Opened::Cache(copy)) => match sys::reopen_read_only(copy.file().as_fd()) {
-                Ok(file) => {
-                    fds.push(OwnedFd::from(file));
-                    Counters::add(&counters.descriptor_opens, 1);
-                    json!(fds.len() - 1)
-                }
-                Err(e) => {
-                    log::warn!(
-                        "batch open: cannot reopen a cached copy read-only ({e}); the job opens it through the mount"
-                    );
-                    Value::Null
-                }
-            },
-            // Read through from SOURCE: left to the mount, which checks each read.
-            Ok(Opened::Source(_)) => Value::Null,
-            Err(e) => json!({ "errno": e.errno() }),
+        let file = match opened {
+            Ok(Opened::Cache(copy)) => sys::reopen_read_only(copy.file().as_fd()),
+            // Opened read-only for this open alone: nobody else reads through it.
+            Ok(Opened::Source(file)) => Ok(file),
+            Err(e) => {
+                answers[i] = json!({ "errno": e.errno() });
+                continue;
+            }
         };
+        match file {
+            Ok(file) => {
+                fds.push(OwnedFd::from(file));
+                Counters::add(&counters.descriptor_opens, 1);
+                answers[i] = json!(fds.len() - 1);
+            }
+            // Left null: the job opens it through the mount.
+            Err(e) => log::warn!(
+                "batch open: cannot reopen a cached copy read-only ({e}); the job opens it through the mount"
+            ),
+        }
     }
     let mut reply = Reply::ok().with("files", answers);
     reply.fds = fds;
