@@ -151,6 +151,7 @@ def _open_batch(dataset, index, batched):
     """Asks the mount holding `dataset` for descriptors of the files of the batch at `index`;
     returns what was kept for the batch's opens (nothing if the dataset is not on a mount, or
     on any failure, after one warning)."""
+    kept = []
     try:
         target = _target_of(dataset)
         if target is None or target[2] is None:
@@ -162,7 +163,6 @@ def _open_batch(dataset, index, batched):
             channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
         _, to_base = _base_of(dataset)
         wanted = [i for i in to_base(list(index) if batched else [index]) if relative[i] is not None]
-        kept = []
         for start in range(0, len(wanted), _BATCH):
             part = wanted[start:start + _BATCH]
             message = {"op": "open", "paths": [relative[i] for i in part]}
@@ -175,6 +175,7 @@ def _open_batch(dataset, index, batched):
                 raise
         return kept
     except Exception as e:  # the job must never fail because of the hook
+        opens.close_unused(kept)  # what earlier parts of a long batch got
         if "target" in locals() and target is not None:
             with _lock:
                 _no_batch_opens.add(target[0])
