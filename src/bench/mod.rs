@@ -546,8 +546,7 @@ impl Mounted {
         let s = running
             .data
             .snapshot(running.passthrough.load(Ordering::Relaxed));
-        let fuse_opens = s.ops.get("open").copied().unwrap_or(0);
-        (s.hits, s.misses, fuse_opens)
+        (s.hits, s.misses, s.fuse_opens())
     }
 }
 

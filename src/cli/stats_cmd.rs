@@ -220,7 +220,7 @@ pub fn table(s: &Snapshot) -> String {
                 s.descriptor_opens,
                 s.batch_requests,
                 s.batch_refused,
-                s.ops.get("open").copied().unwrap_or(0)
+                s.fuse_opens()
             ),
         ),
         (

@@ -177,6 +177,11 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// The opens the kernel sent the daemon (batch opens are not among them).
+    pub fn fuse_opens(&self) -> u64 {
+        self.ops.get("open").copied().unwrap_or(0)
+    }
+
     pub fn take(c: &Counters, g: Gauges, passthrough: bool, started: Instant) -> Snapshot {
         let hits = Counters::get(&c.hits);
         let misses = Counters::get(&c.misses);
