@@ -155,10 +155,17 @@ impl Catalog {
         scan::scan(root, walking)
     }
 
-    /// A catalog of one directory of files `f000000`, ... of `sizes`, without a file system.
+    /// A catalog of one directory of files `f000000`, ... of `sizes` (`None`: not looked at
+    /// yet), without a file system.
     #[cfg(test)]
-    pub(crate) fn flat(sizes: &[u64]) -> Catalog {
+    pub(crate) fn flat(sizes: &[Option<u64>]) -> Catalog {
         scan::flat(sizes)
+    }
+
+    /// What SOURCE shows of a [`flat`](Catalog::flat) catalog's file of `size` bytes.
+    #[cfg(test)]
+    pub(crate) fn flat_file(size: u64) -> Attributes {
+        scan::synthetic(Kind::File, size)
     }
 
     /// Builds the catalog of the tree `lister` describes (see [`Lister`]).

@@ -259,11 +259,30 @@ fn list_directory(
     })
 }
 
-/// A catalog of one directory holding files `f000000`, `f000001`, ... of `sizes`, built
-/// without touching any file system, their attributes known (for the engine core's tests).
+/// A catalog of one directory holding files `f000000`, `f000001`, ... of `sizes` (`None`: not
+/// looked at yet), built without touching any file system (for the engine core's tests).
 #[cfg(test)]
-pub(crate) fn flat(sizes: &[u64]) -> Catalog {
-    let attributes = |kind, size| Attributes {
+pub(crate) fn flat(sizes: &[Option<u64>]) -> Catalog {
+    let files = (sizes.iter().enumerate())
+        .map(|(i, &size)| Child {
+            name: format!("f{i:06}").into(),
+            kind: Kind::File,
+            attributes: size.map(|size| synthetic(Kind::File, size)),
+            link_target: None,
+        })
+        .collect();
+    let root = Scanned {
+        attributes: Some(synthetic(Kind::Directory, 0)),
+        children: files,
+    };
+    let scanned = HashMap::from([(PathBuf::new(), root)]);
+    assemble(Path::new("/synthetic"), scanned).expect("a small catalog")
+}
+
+/// The attributes of a [`flat`] catalog's entries (a file's as its SOURCE shows them).
+#[cfg(test)]
+pub(crate) fn synthetic(kind: Kind, size: u64) -> Attributes {
+    Attributes {
         kind,
         perm: 0o644,
         uid: 0,
@@ -272,21 +291,7 @@ pub(crate) fn flat(sizes: &[u64]) -> Catalog {
         mtime_secs: 0,
         mtime_nanos: 0,
         identity: 0,
-    };
-    let files = (sizes.iter().enumerate())
-        .map(|(i, &size)| Child {
-            name: format!("f{i:06}").into(),
-            kind: Kind::File,
-            attributes: Some(attributes(Kind::File, size)),
-            link_target: None,
-        })
-        .collect();
-    let root = Scanned {
-        attributes: Some(attributes(Kind::Directory, 0)),
-        children: files,
-    };
-    let scanned = HashMap::from([(PathBuf::new(), root)]);
-    assemble(Path::new("/synthetic"), scanned).expect("a small catalog")
+    }
 }
 
 /// Lays the listings out breadth-first: the children of each directory get consecutive ids

@@ -155,6 +155,9 @@ pub struct Core<R> {
     space: Space,
     /// The bytes reserved for each copy under way (in `space.reserved`).
     reservations: HashMap<FileId, u64>,
+    /// Bytes and number of the copies whose size was learnt when they opened the file: what
+    /// a copy of a file of unknown size is expected to take (see `next_ahead`).
+    learnt_sizes: (u64, u64),
     /// Staged ahead and not opened since: evicting these is wasted staging.
     unread: HashSet<FileId>,
     /// Where staging ahead has got to in each lane (see [`frontier`]), and the bytes of the
@@ -190,6 +193,7 @@ impl<R> Core<R> {
             tracker: Tracker::new(generation, settings.tracker),
             space: Space::new(settings.capacity, settings.eviction.policy()),
             reservations: HashMap::new(),
+            learnt_sizes: (0, 0),
             catalog,
             settings,
             counters,

@@ -81,6 +81,10 @@ impl<R> Core<R> {
             Some(pos) => self.ahead_needed_at(pos),
             None => self.urgent_needed_at(job.file),
         };
+        // The room taken for a typical copy, if any, is made again for this one's size.
+        self.release(job.file);
+        let (bytes, copies) = self.learnt_sizes;
+        self.learnt_sizes = (bytes + size, copies + 1);
         if !self.room_for(size, needed_at, effects) {
             return false;
         }
@@ -94,12 +98,16 @@ impl<R> Core<R> {
     fn next_ahead(&mut self, now: Instant, effects: &mut Effects<R>) -> Option<Job> {
         let (pos, file) = self.frontier_to_copy(now)?;
         let size = self.size_of(file);
-        if let Some(size) = size {
-            if !self.make_room(size, self.ahead_needed_at(pos), effects) {
-                return None;
-            }
-            self.reserve(file, size);
+        // Room is made in the frontier's order, when a copy is taken: a file of unknown size
+        // gets a typical copy's (its own is made at `admit`). Made only at admission, copies
+        // taken together were admitted in the order their workers opened the files, and one
+        // admitted after its successor evicted that successor's fresh copy for it, which the
+        // frontier then staged again (two workers, a full cache: 1% of the staging wasted).
+        let room = self.room_to_take(file);
+        if !self.make_room(room, self.ahead_needed_at(pos), effects) {
+            return None;
         }
+        self.reserve(file, room);
         // Unless making room put it back (to a copy given up), the lane's frontier moves on;
         // if it did, it walks over this position again and counts it then.
         self.step_frontier_from(pos, size.unwrap_or(0));
@@ -111,11 +119,18 @@ impl<R> Core<R> {
         })
     }
 
+    /// The room a copy of `file` takes when the frontier takes it: its size, or if that is
+    /// not known yet, the mean of the sizes learnt at `admit` (0 before the first).
+    fn room_to_take(&self, file: FileId) -> u64 {
+        let (bytes, copies) = self.learnt_sizes;
+        (self.size_of(file)).unwrap_or_else(|| bytes.checked_div(copies).unwrap_or(0))
+    }
+
     /// Whether the frontier has a copy to make now: a file to stage that fits, or that the
     /// eviction policy makes room for.
     pub(super) fn copy_due(&mut self, now: Instant) -> bool {
         self.frontier_to_copy(now).is_some_and(|(pos, file)| {
-            self.space.fits(self.size_of(file).unwrap_or(0))
+            self.space.fits(self.room_to_take(file))
                 || (self.space.evict)
                     .victim(self.ahead_needed_at(pos))
                     .is_some()

@@ -79,6 +79,13 @@ impl Scene {
         Scene::sampling(files, files, sampler, ranks, settings)
     }
 
+    /// [`Scene::new`] with files whose size the mount has not looked up: a copy learns it.
+    fn of_unknown_sizes(files: u32, capacity_files: u64, sampler: SamplerConfig) -> Scene {
+        let catalog = Catalog::flat(&vec![None; files as usize]);
+        let settings = settings(capacity_files, EvictionKind::Belady);
+        Scene::cataloguing(catalog, files, sampler, vec![0], settings)
+    }
+
     /// `files` files, of which the first `samples` are the sampler's dataset (the others
     /// another stream's, e.g. a validation set).
     fn sampling(
@@ -88,7 +95,18 @@ impl Scene {
         ranks: Vec<u32>,
         settings: StagerSettings,
     ) -> Scene {
-        let catalog = Arc::new(Catalog::flat(&vec![SIZE; files as usize]));
+        let catalog = Catalog::flat(&vec![Some(SIZE); files as usize]);
+        Scene::cataloguing(catalog, samples, sampler, ranks, settings)
+    }
+
+    fn cataloguing(
+        catalog: Catalog,
+        samples: u32,
+        sampler: SamplerConfig,
+        ranks: Vec<u32>,
+        settings: StagerSettings,
+    ) -> Scene {
+        let catalog = Arc::new(catalog);
         let layout = Arc::new(Layout::of_files((1..=samples).collect()));
         let plan = Plan::new(sampler, ranks, layout, catalog.len()).unwrap();
         let counters = Arc::new(Counters::default());
@@ -141,10 +159,30 @@ impl Scene {
     fn copy_all(&mut self) -> Vec<FileId> {
         let mut copied = Vec::new();
         while let Some(job) = self.next_job() {
-            self.finish(job, Ok(SIZE));
+            self.copy(job);
             copied.push(job.file);
         }
         copied
+    }
+
+    /// Makes `job`'s copy as a worker does: a file of unknown size is opened first, and its
+    /// size learnt and admitted (or the copy given up for want of room).
+    fn copy(&mut self, job: Job) {
+        if !job.has_room {
+            let size = (self
+                .core
+                .catalog
+                .observe(job.file, Catalog::flat_file(SIZE)))
+            .expect("unchanged")
+            .size;
+            let mut effects = Effects::default();
+            let admitted = self.core.admit(job, size, &mut effects);
+            self.take(effects);
+            if !admitted {
+                return self.finish(job, Err(CopyError::NoRoom));
+            }
+        }
+        self.finish(job, Ok(SIZE));
     }
 
     fn finish(&mut self, job: Job, result: Result<u64, CopyError>) {
@@ -218,6 +256,28 @@ fn a_reader_in_the_predicted_order_hits_every_open_and_nothing_is_wasted() {
     assert!((900..=930).contains(&staged), "{staged}");
     let cached = s.core.gauges(0, String::new()).cached_files;
     assert_eq!(s.unlinked.len() as u64, staged - cached);
+}
+
+#[test]
+fn copies_of_unknown_size_finishing_out_of_order_never_evict_each_other() {
+    // Two workers take the next two copies and the later one learns its size first. Room
+    // made only then, the earlier evicted it for itself, and the frontier staged it again.
+    let mut s = Scene::of_unknown_sizes(200, 10, sampler(SamplerKind::TorchRandom, 3));
+    for epoch in 0..3 {
+        for file in s.files(epoch) {
+            let jobs: Vec<Job> = std::iter::from_fn(|| s.next_job()).take(2).collect();
+            for job in jobs.into_iter().rev() {
+                s.copy(job);
+            }
+            assert_eq!(s.open(file, 0), Open::Hit, "epoch {epoch}");
+        }
+    }
+    assert_eq!(s.count(&s.counters.wasted_bytes), 0);
+    // Each file copied once per epoch read, and what the cache holds of the next ahead.
+    let staged = s.count(&s.counters.staged_files);
+    assert!((600..=610).contains(&staged), "{staged}");
+    let g = s.core.gauges(0, String::new());
+    assert!(g.cache_used_bytes <= g.cache_capacity_bytes);
 }
 
 #[test]
