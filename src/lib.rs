@@ -3,8 +3,9 @@
 //!
 //! Data flows one way: [`catalog`] (files as the dataset class sees them) → [`order`]
 //! (samplers, and the search for the one a job uses: `--sampler auto`) → [`plan`] (the node's stream and where the reader is) → [`stager`] (copies ahead)
-//! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`control`] takes the running
-//! job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
+//! → [`cache`] (the local directory) → [`fs`] (FUSE operations); [`peers`] lets the stager
+//! stage from the job's other nodes and serves them this node's copies; [`control`] takes the
+//! running job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
 //! runs it, [`bench`] measures a mount against reading SOURCE directly and against copying
 //! first, [`cli`] parses the command line into it,
 //! [`sys`] holds every raw Linux call behind a safe function (openat2 beneath a directory,
@@ -14,7 +15,7 @@
 //!
 //! Imports go one way too, down these layers (bottom first; a module uses only those below it,
 //! which `tests/layering.rs` checks): `sys` < `files`, `input`, `slow_remote` (leaves) < `stats` < `catalog` <
-//! `order` < `plan` < `cache` < `stager` < `fs` < `control` < `daemon` < `bench` < `cli`.
+//! `order` < `plan` < `cache` < `peers` < `stager` < `fs` < `control` < `daemon` < `bench` < `cli`.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
@@ -31,6 +32,7 @@ pub mod files;
 pub mod fs;
 pub mod input;
 pub mod order;
+pub mod peers;
 pub mod plan;
 pub mod slow_remote;
 pub mod stager;

@@ -11,6 +11,7 @@
 //! - `order`: the samplers (sample indices per epoch), independent of the files.
 //! - `plan`: the node's stream of files, composing `order` with the `catalog` layout.
 //! - `cache`: the local directory holding copies of `catalog` files.
+//! - `peers`: serves this node's copies to the job's other nodes and fetches theirs (HTTP/2).
 //! - `stager`: copies ahead along the `plan` into the `cache`, counting in `stats`.
 //! - `fs`: the FUSE operations, serving opens through the `stager`.
 //! - `control`: the running mount's control channel (the feed hook's announcements, `stagefs
@@ -35,6 +36,7 @@ const LAYERS: &[&str] = &[
     "order",
     "plan",
     "cache",
+    "peers",
     "stager",
     "fs",
     "control",

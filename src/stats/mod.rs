@@ -31,7 +31,32 @@ pub struct Counters {
     pub descriptor_opens: AtomicU64,
     pub batch_requests: AtomicU64,
     pub batch_refused: AtomicU64,
+    pub peer_files: AtomicU64,
+    pub peer_bytes: AtomicU64,
+    /// By cause, in the order of [`PEER_FALLBACK_CAUSES`].
+    pub peer_fallbacks: [AtomicU64; PEER_FALLBACK_CAUSES.len()],
+    pub peer_deferrals: AtomicU64,
+    pub served_files: AtomicU64,
+    pub served_bytes: AtomicU64,
+    pub served_refused: AtomicU64,
+    /// Bytes staged from SOURCE by the reader's epoch when they were, for the last
+    /// [`EPOCHS_KEPT`] epochs.
+    pub source_bytes_by_epoch: parking_lot::Mutex<BTreeMap<u64, u64>>,
 }
+
+/// Why a file a peer was thought to hold came from SOURCE (see `peers::Fallback`).
+pub const PEER_FALLBACK_CAUSES: [&str; 7] = [
+    "not_held",
+    "later",
+    "timeout",
+    "unreachable",
+    "refused",
+    "corrupt",
+    "stale",
+];
+
+/// Epochs `source_bytes_by_epoch` keeps.
+const EPOCHS_KEPT: usize = 16;
 
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
@@ -41,6 +66,23 @@ impl Counters {
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
+
+    /// Counts `bytes` staged from SOURCE while the reader was in `epoch`.
+    pub fn add_source_bytes(&self, epoch: u64, bytes: u64) {
+        Counters::add(&self.source_bytes, bytes);
+        let mut by_epoch = self.source_bytes_by_epoch.lock();
+        *by_epoch.entry(epoch).or_default() += bytes;
+        while by_epoch.len() > EPOCHS_KEPT {
+            by_epoch.pop_first();
+        }
+    }
+}
+
+/// Bytes of one epoch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochBytes {
+    pub epoch: u64,
+    pub bytes: u64,
 }
 
 /// How one epoch's opens went: how many there were and how many the prediction expected
@@ -137,6 +179,31 @@ pub struct Snapshot {
     pub batch_requests: u64,
     #[serde(default)]
     pub batch_refused: u64,
+    /// Staged from the job's other nodes (`--peers`) instead of SOURCE.
+    #[serde(default)]
+    pub peer_files: u64,
+    #[serde(default)]
+    pub peer_bytes: u64,
+    /// Files a peer was thought to hold that came from SOURCE after all, and why
+    /// (`not_held`, `later`, `timeout`, `unreachable`, `refused`, `corrupt`, `stale`).
+    #[serde(default)]
+    pub peer_fallbacks: u64,
+    #[serde(default)]
+    pub peer_fallbacks_by_cause: BTreeMap<String, u64>,
+    /// Copies put off because their holder had not read them yet.
+    #[serde(default)]
+    pub peer_deferrals: u64,
+    /// Copies this node sent its peers, and requests it refused (no secret, not a peer, not
+    /// a file of its catalog).
+    #[serde(default)]
+    pub served_files: u64,
+    #[serde(default)]
+    pub served_bytes: u64,
+    #[serde(default)]
+    pub served_refused: u64,
+    /// `source_bytes` staged while the reader was in each epoch: `{"epoch", "bytes"}`.
+    #[serde(default)]
+    pub source_bytes_by_epoch: Vec<EpochBytes>,
     /// Where the tracker believes the reader is: epoch, and position within it.
     pub epoch: u64,
     pub position: u64,
@@ -212,6 +279,20 @@ impl Snapshot {
             descriptor_opens: Counters::get(&c.descriptor_opens),
             batch_requests: Counters::get(&c.batch_requests),
             batch_refused: Counters::get(&c.batch_refused),
+            peer_files: Counters::get(&c.peer_files),
+            peer_bytes: Counters::get(&c.peer_bytes),
+            peer_fallbacks: c.peer_fallbacks.iter().map(Counters::get).sum(),
+            peer_fallbacks_by_cause: (PEER_FALLBACK_CAUSES.iter())
+                .zip(&c.peer_fallbacks)
+                .map(|(cause, n)| (cause.to_string(), Counters::get(n)))
+                .collect(),
+            peer_deferrals: Counters::get(&c.peer_deferrals),
+            served_files: Counters::get(&c.served_files),
+            served_bytes: Counters::get(&c.served_bytes),
+            served_refused: Counters::get(&c.served_refused),
+            source_bytes_by_epoch: (c.source_bytes_by_epoch.lock().iter())
+                .map(|(&epoch, &bytes)| EpochBytes { epoch, bytes })
+                .collect(),
             epoch: g.epoch,
             position: g.position,
             epoch_len: g.epoch_len,
