@@ -140,6 +140,9 @@ pub enum CopyError {
     /// Given up because the mount is stopping.
     #[error("stopped: the mount is shutting down")]
     Stopped,
+    /// Put off: the job's node that holds the file has not read it yet (see `peers`).
+    #[error("put off until the peer holding it has it")]
+    Deferred,
 }
 
 pub struct CacheDir {

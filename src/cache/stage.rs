@@ -88,20 +88,42 @@ impl CacheDir {
         file: FileId,
         stop: &AtomicBool,
     ) -> Result<u64, CopyError> {
-        let source = &catalog.source_path(file);
+        let source = catalog.source_path(file);
+        self.stage_with(catalog, file, attributes, |out| {
+            copy_source(&mut src, &source, out, attributes, stop)
+        })
+    }
+
+    /// Makes the copy of catalog file `file`, of the source version `attributes` describe,
+    /// from the bytes `fill` writes into a new temporary file (returning their count and
+    /// checksum): recorded with its checksum and the source's identity and mtime, then renamed
+    /// into place. A copy from a peer comes in this way too, exactly as one from SOURCE.
+    pub fn stage_with<E: From<CopyError>>(
+        &self,
+        catalog: &Catalog,
+        file: FileId,
+        attributes: &Attributes,
+        fill: impl FnOnce(&mut File) -> Result<(u64, u128), E>,
+    ) -> Result<u64, E> {
         let tmp_path = self.tmp.join(format!(
             "{}.{}",
             std::process::id(),
             self.temp_seq.fetch_add(1, Ordering::Relaxed)
         ));
-        let result = self.copy_to_temp(&mut src, source, &tmp_path, attributes, stop);
+        let mut out = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp_path)
+            .map_err(cache_err)?;
+        let result = fill(&mut out).and_then(|(bytes, sum)| {
+            self.finish(&out, attributes, sum)?;
+            let dest = self.path_for(catalog, file);
+            fs::rename(&tmp_path, &dest).map_err(cache_err)?;
+            Ok(bytes)
+        });
         match result {
             Ok(n) => {
-                let dest = self.path_for(catalog, file);
-                fs::rename(&tmp_path, &dest).map_err(|e| {
-                    let _ = fs::remove_file(&tmp_path);
-                    cache_err(e)
-                })?;
                 // A copy kept open from before (replaced by this one) is not served again.
                 self.open_copies.forget(file);
                 Ok(n)
@@ -113,65 +135,32 @@ impl CacheDir {
         }
     }
 
-    fn copy_to_temp(
-        &self,
-        src: &mut File,
-        source: &Path,
-        tmp_path: &Path,
-        version: &Attributes,
-        stop: &AtomicBool,
-    ) -> Result<u64, CopyError> {
-        let src_err = source_err(source);
-        let mut out = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(tmp_path)
-            .map_err(cache_err)?;
-        let mut buf = vec![0u8; COPY_BUFFER.min(version.size.max(1) as usize)];
-        let mut copied = 0u64;
-        // Hashed as copied, from the very bytes written: no second read of either file.
-        let mut hasher = Xxh3::new();
-        // Read up to the file's size and one byte more, which tells a file that grew: a file
-        // written to while copied must not fill the cache (nor take a copy thread for as long
-        // as its writer goes on).
-        let limit = version.size.saturating_add(1);
-        while copied < limit {
-            if stop.load(Ordering::Relaxed) {
-                return Err(CopyError::Stopped);
-            }
-            let want = buf
-                .len()
-                .min((limit - copied).try_into().unwrap_or(usize::MAX));
-            let n = match src.read(&mut buf[..want]) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(src_err(e)),
-            };
-            copied += n as u64;
-            if copied > version.size {
-                break; // grew: not the version opened, nothing of it is kept
-            }
-            out.write_all(&buf[..n]).map_err(cache_err)?;
-            hasher.update(&buf[..n]);
-        }
-        // The source must still be the version opened, or the copy could mix versions.
-        let now = Attributes::of_metadata(&src.metadata().map_err(src_err)?);
-        if copied != version.size || !version.is_unchanged(&now) {
-            return Err(CopyError::SourceChanged(source.to_path_buf()));
-        }
+    /// Records a complete copy's checksum and source identity, and gives it the source's mtime.
+    fn finish(&self, out: &File, version: &Attributes, sum: u128) -> Result<(), CopyError> {
         let recorded = Recorded {
-            sum: hasher.digest128(),
+            sum,
             identity: version.identity,
         };
-        self.record(&out, recorded)?;
+        self.record(out, recorded)?;
         let mtime = libc::timespec {
             tv_sec: version.mtime_secs,
             tv_nsec: version.mtime_nanos as i64,
         };
-        sys::set_mtime(out.as_fd(), mtime).map_err(cache_err)?;
-        Ok(copied)
+        sys::set_mtime(out.as_fd(), mtime).map_err(cache_err)
+    }
+
+    /// The copy of `file` this mount staged, for a peer: open, with its size and what it
+    /// recorded of itself (checksum, source identity). A copy without a record is not served.
+    pub fn open_for_peer(
+        &self,
+        catalog: &Catalog,
+        file: FileId,
+    ) -> io::Result<(File, u64, u128, u64)> {
+        let copy = open_nofollow(&self.path_for(catalog, file))?;
+        let recorded =
+            read_record(&copy).ok_or_else(|| io::Error::from_raw_os_error(libc::ENODATA))?;
+        let size = copy.metadata()?.len();
+        Ok((copy, size, recorded.sum, recorded.identity))
     }
 
     /// Sets the checksum attribute of a copy. A cache file system without user attributes
@@ -194,6 +183,52 @@ impl CacheDir {
         }
         Ok(())
     }
+}
+
+/// Copies `src` (the source file at `source`, of the version `version` describes) into `out`;
+/// returns the bytes copied and their checksum.
+fn copy_source(
+    src: &mut File,
+    source: &Path,
+    out: &mut File,
+    version: &Attributes,
+    stop: &AtomicBool,
+) -> Result<(u64, u128), CopyError> {
+    let src_err = source_err(source);
+    let mut buf = vec![0u8; COPY_BUFFER.min(version.size.max(1) as usize)];
+    let mut copied = 0u64;
+    // Hashed as copied, from the very bytes written: no second read of either file.
+    let mut hasher = Xxh3::new();
+    // Read up to the file's size and one byte more, which tells a file that grew: a file
+    // written to while copied must not fill the cache (nor take a copy thread for as long as
+    // its writer goes on).
+    let limit = version.size.saturating_add(1);
+    while copied < limit {
+        if stop.load(Ordering::Relaxed) {
+            return Err(CopyError::Stopped);
+        }
+        let want = buf
+            .len()
+            .min((limit - copied).try_into().unwrap_or(usize::MAX));
+        let n = match src.read(&mut buf[..want]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(src_err(e)),
+        };
+        copied += n as u64;
+        if copied > version.size {
+            break; // grew: not the version opened, nothing of it is kept
+        }
+        out.write_all(&buf[..n]).map_err(cache_err)?;
+        hasher.update(&buf[..n]);
+    }
+    // The source must still be the version opened, or the copy could mix versions.
+    let now = Attributes::of_metadata(&src.metadata().map_err(src_err)?);
+    if copied != version.size || !version.is_unchanged(&now) {
+        return Err(CopyError::SourceChanged(source.to_path_buf()));
+    }
+    Ok((copied, hasher.digest128()))
 }
 
 /// What a cached file records of itself, if it does in a format this version knows.

@@ -13,6 +13,7 @@ use super::size::{LookaheadError, SizeError, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::daemon::{self, Capacity, MountConfig, defaults};
 use crate::order::{OrderError, SamplerKind};
+use crate::peers::{PeerError, PeerSettings, SecretError, Token};
 use crate::stager::EvictionKind;
 
 #[derive(Args, Debug, Clone)]
@@ -109,6 +110,52 @@ pub struct MountArgs {
     /// Write Prometheus metrics to FILE every few seconds (node_exporter textfile collector)
     #[arg(long, value_name = "FILE", help_heading = "Mount")]
     pub metrics_file: Option<PathBuf>,
+
+    /// The job's nodes, in node order, this one included: after epoch 0 each node stages its files from the node that read them the epoch before (torch-distributed orders; see docs/peers.md)
+    #[arg(long, value_name = "HOST:PORT,...", help_heading = "Peers", requires_all = ["node", "peer_secret_file"])]
+    pub peers: Option<String>,
+    /// This node's index in --peers (0 for the first)
+    #[arg(long, value_name = "I", help_heading = "Peers", requires = "peers")]
+    pub node: Option<usize>,
+    /// The job's secret (a file of 16 to 4096 bytes, mode 0600, owned by the daemon's user): a peer without it gets nothing
+    #[arg(long, value_name = "FILE", help_heading = "Peers", requires = "peers")]
+    pub peer_secret_file: Option<PathBuf>,
+    /// Longest a fetch from a peer may take before the file is read from SOURCE, e.g. 2s, 500ms
+    #[arg(long, value_name = "DURATION", default_value = "2s", help_heading = "Peers", value_parser = parse_duration)]
+    pub peer_timeout: Duration,
+}
+
+/// A duration such as `2s`, `500ms` or `3` (seconds), between 1 ms and an hour.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit) = match text.strip_suffix("ms") {
+        Some(n) => (n, Duration::from_millis(1)),
+        None => (
+            text.strip_suffix('s').unwrap_or(text),
+            Duration::from_secs(1),
+        ),
+    };
+    let n: u32 = (number.trim().parse())
+        .map_err(|_| format!("{text:?} is not a duration; give e.g. 2s or 500ms"))?;
+    let duration = unit * n;
+    if duration < Duration::from_millis(1) || duration > Duration::from_secs(3600) {
+        return Err(format!("{text}: give between 1ms and 3600s"));
+    }
+    Ok(duration)
+}
+
+/// `--peers`, `--node` and `--peer-secret-file` as the daemon's settings.
+fn peer_settings(args: &MountArgs) -> Result<Option<PeerSettings>, MountArgsError> {
+    let (Some(peers), Some(node), Some(secret)) = (&args.peers, args.node, &args.peer_secret_file)
+    else {
+        return Ok(None);
+    };
+    Ok(Some(PeerSettings {
+        addrs: crate::peers::resolve(peers, node)?,
+        node,
+        token: Token::read(secret, crate::sys::euid())?,
+        timeout: args.peer_timeout,
+    }))
 }
 
 /// A thread count: zero would leave the work undone forever.
@@ -131,6 +178,10 @@ pub enum MountArgsError {
         "--epoch does not apply to --sampler auto (the epoch is found from the job's opens): remove it, or name the sampler with --sampler"
     )]
     EpochWithAuto,
+    #[error(transparent)]
+    Peers(#[from] PeerError),
+    #[error(transparent)]
+    PeerSecret(#[from] SecretError),
     #[error("--job-user: no user {0} on this node")]
     UnknownUser(String),
     #[error(
@@ -200,6 +251,7 @@ impl TryFrom<&MountArgs> for MountConfig {
             index: args.index.clone(),
             log_file: args.log_file.clone(),
             metrics_file: args.metrics_file.clone(),
+            peers: peer_settings(args)?,
         })
     }
 }

@@ -18,6 +18,7 @@ use crate::cache::{CacheDir, index_path};
 use crate::catalog::{Catalog, Datasets, LayoutSpec, ROOT, Walking, index};
 use crate::control::{ControlServer, Limits, MountControl};
 use crate::fs::{MountedDataset, StageFs};
+use crate::peers::Peers;
 use crate::plan::{Plan, TrackerSettings};
 use crate::stager::{LocalSource, SourceRoot, Stager, StagerSettings};
 use crate::stats::Counters;
@@ -66,6 +67,11 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
     let source_root = Arc::new(source_root);
     // Held until mounted; taken before staging starts so a refused mount copies nothing.
     let claim = claim_mountpoint(&mountpoint)?;
+    let counters = Arc::new(Counters::default());
+    // Bound before staging starts: a taken port fails the mount, not the job's epoch 1.
+    let peers = (config.peers.clone())
+        .map(|settings| Peers::new(settings, counters.clone()).map(Arc::new))
+        .transpose()?;
     let data = Arc::new(start_stager(
         config,
         datasets.clone(),
@@ -73,6 +79,7 @@ pub fn start(config: &MountConfig) -> Result<RunningMount, MountError> {
         cache,
         settings,
         source_root,
+        (counters, peers),
     ));
     let control = start_control(config, &data, datasets)?;
     let running = mount_fuse(config, data, control, &source, mountpoint)?;
@@ -161,18 +168,19 @@ fn start_stager(
     cache: CacheDir,
     settings: StagerSettings,
     source_root: Arc<SourceRoot>,
+    (counters, peers): (Arc<Counters>, Option<Arc<Peers>>),
 ) -> MountedDataset {
-    let counters = Arc::new(Counters::default());
     let local = Arc::new(LocalSource::new(source_root.clone()));
     let capacity = settings.capacity;
     let catalog = datasets.catalog().clone();
-    let stager = Stager::start(
+    let stager = Stager::start_with_peers(
         datasets,
         local,
         cache,
         plan.clone(),
         settings,
         counters.clone(),
+        peers,
     );
     if config.epoch > 0 {
         stager.set_epoch(config.epoch);

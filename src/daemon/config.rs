@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::defaults;
 use crate::catalog::{DEFAULT_EXTENSIONS, LayoutKind};
 use crate::order::SamplerConfig;
+use crate::peers::PeerSettings;
 use crate::stager::EvictionKind;
 
 /// How far ahead of the reader the stager may copy.
@@ -92,6 +93,8 @@ pub struct MountConfig {
     pub log_file: Option<PathBuf>,
     /// Write Prometheus metrics here every few seconds.
     pub metrics_file: Option<PathBuf>,
+    /// The job's other nodes, to stage from and serve (`--peers`).
+    pub peers: Option<PeerSettings>,
 }
 
 impl Default for MountConfig {
@@ -124,6 +127,7 @@ impl Default for MountConfig {
             index: None,
             log_file: None,
             metrics_file: None,
+            peers: None,
         }
     }
 }

@@ -118,6 +118,8 @@ pub enum MountError {
     StarterGone,
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error(transparent)]
+    Peers(#[from] crate::peers::PeerError),
     #[error("cannot mount at {}: {source}", path.display())]
     Mount { path: PathBuf, source: io::Error },
     #[error("mounted at {} but the mount is not in /proc/self/mountinfo", .0.display())]

@@ -52,7 +52,9 @@ pub struct PeerSettings {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
-    #[error("--peers: {0:?} is not an address:port; list the job's nodes as HOST:PORT,HOST:PORT,...")]
+    #[error(
+        "--peers: {0:?} is not an address:port; list the job's nodes as HOST:PORT,HOST:PORT,..."
+    )]
     Address(String),
     #[error("--peers lists no node; list the job's nodes as HOST:PORT,HOST:PORT,...")]
     NoAddress,
@@ -62,7 +64,9 @@ pub enum PeerError {
     Duplicate(SocketAddr),
     #[error("--peers lists at most {MAX_NODES} nodes")]
     TooMany,
-    #[error("cannot listen for peers on {addr}: {source}; give this node's own address and a free port in --peers")]
+    #[error(
+        "cannot listen for peers on {addr}: {source}; give this node's own address and a free port in --peers"
+    )]
     Bind {
         addr: SocketAddr,
         source: std::io::Error,
@@ -182,7 +186,8 @@ impl Peers {
     /// starts the runtime; serving starts with [`Peers::serve`].
     pub fn new(settings: PeerSettings, counters: Arc<Counters>) -> Result<Peers, PeerError> {
         let addr = settings.addrs[settings.node];
-        let listener = TcpListener::bind(addr).map_err(|source| PeerError::Bind { addr, source })?;
+        let listener =
+            TcpListener::bind(addr).map_err(|source| PeerError::Bind { addr, source })?;
         listener
             .set_nonblocking(true)
             .map_err(|source| PeerError::Bind { addr, source })?;
@@ -289,7 +294,8 @@ fn decode_path(hex: &str) -> Option<PathBuf> {
         .step_by(2)
         .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
         .collect();
-    let path = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes?));
+    let path =
+        PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes?));
     let normal = path
         .components()
         .all(|c| matches!(c, std::path::Component::Normal(_)));

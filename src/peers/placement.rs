@@ -15,11 +15,17 @@ const NOBODY: u16 = u16::MAX;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlacementError {
-    #[error("peers need --sampler torch-distributed (each node reads its own share); this mount's order is another")]
+    #[error(
+        "peers need --sampler torch-distributed (each node reads its own share); this mount's order is another"
+    )]
     NotDistributed,
-    #[error("peers need a world size that is a multiple of the number of nodes (world {world}, {nodes} nodes in --peers)")]
+    #[error(
+        "peers need a world size that is a multiple of the number of nodes (world {world}, {nodes} nodes in --peers)"
+    )]
     World { world: u32, nodes: usize },
-    #[error("node {node} of {nodes} must serve ranks {first}..={last} (consecutive ranks per node), not {ranks:?}")]
+    #[error(
+        "node {node} of {nodes} must serve ranks {first}..={last} (consecutive ranks per node), not {ranks:?}"
+    )]
     Ranks {
         node: usize,
         nodes: usize,

@@ -29,11 +29,15 @@ pub enum SecretError {
     Io(PathBuf, std::io::Error),
     #[error("--peer-secret-file {0} is not a regular file")]
     NotAFile(PathBuf),
-    #[error("--peer-secret-file {path} belongs to uid {owner}, not to this stagefs (uid {uid}); use the job's own secret file")]
+    #[error(
+        "--peer-secret-file {path} belongs to uid {owner}, not to this stagefs (uid {uid}); use the job's own secret file"
+    )]
     NotOwned { path: PathBuf, owner: u32, uid: u32 },
     #[error("--peer-secret-file {path} can be read by others (mode {mode:o}); chmod 600 {path}")]
     Shared { path: PathBuf, mode: u32 },
-    #[error("--peer-secret-file {0} must hold {MIN_SECRET} to {MAX_SECRET} bytes (e.g. head -c 32 /dev/urandom | base64 > FILE)")]
+    #[error(
+        "--peer-secret-file {0} must hold {MIN_SECRET} to {MAX_SECRET} bytes (e.g. head -c 32 /dev/urandom | base64 > FILE)"
+    )]
     Length(PathBuf),
 }
 

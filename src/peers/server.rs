@@ -134,7 +134,10 @@ impl Server {
     ) -> Answer {
         let offered = request.headers().get(TOKEN_HEADER).map(|v| v.as_bytes());
         if !offered.is_some_and(|t| self.token.matches(t)) {
-            self.refused(addr, "the request lacks the job's secret (--peer-secret-file)");
+            self.refused(
+                addr,
+                "the request lacks the job's secret (--peer-secret-file)",
+            );
             return status(StatusCode::FORBIDDEN);
         }
         authorized.store(true, Ordering::Relaxed);
@@ -246,5 +249,7 @@ fn not_held(why: &'static str) -> Answer {
 }
 
 fn empty() -> BoxBody<Bytes, std::io::Error> {
-    Empty::<Bytes>::new().map_err(|never| match never {}).boxed()
+    Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed()
 }

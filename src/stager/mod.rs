@@ -22,6 +22,7 @@ mod core;
 mod detection;
 mod eviction;
 mod open;
+mod peering;
 mod resync;
 mod source;
 mod space;
@@ -43,6 +44,7 @@ use self::core::{Answer, Core, Effects, FileState, Wake};
 use crate::cache::{CacheDir, OpenCopy};
 use crate::catalog::{Attributes, Catalog, Datasets, FileId};
 use crate::order::SamplerKind;
+use crate::peers::{Holder, Peers};
 use crate::plan::{FedChange, Generation, Plan, Prediction, StreamKey, TrackerSettings};
 use crate::stats::{Counters, Gauges};
 use detection::Detector;
@@ -144,6 +146,8 @@ struct Inner {
     shutdown: AtomicBool,
     /// A dataset the job's hook could not map to files (its class name), for the statistics.
     unmapped: Mutex<Option<String>>,
+    /// The job's other nodes (`--peers`).
+    peering: Option<peering::Peering>,
 }
 
 pub struct Stager {
@@ -161,6 +165,20 @@ impl Stager {
         plan: Arc<Plan>,
         settings: StagerSettings,
         counters: Arc<Counters>,
+    ) -> Stager {
+        Stager::start_with_peers(datasets, source, cache, plan, settings, counters, None)
+    }
+
+    /// [`start`](Self::start), staging from the job's other nodes too and serving them this
+    /// node's copies (`--peers`).
+    pub fn start_with_peers(
+        datasets: Arc<Datasets>,
+        source: Arc<dyn Source>,
+        cache: CacheDir,
+        plan: Arc<Plan>,
+        settings: StagerSettings,
+        counters: Arc<Counters>,
+        peers: Option<Arc<Peers>>,
     ) -> Stager {
         let catalog = datasets.catalog().clone();
         let generation = plan.generation();
@@ -199,7 +217,15 @@ impl Stager {
             copy_threads: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             unmapped: Mutex::new(None),
+            peering: peers.map(peering::Peering::new),
         });
+        if let Some(peering) = &inner.peering {
+            let holder: Arc<dyn Holder> = inner.clone();
+            peering.peers.serve(Arc::downgrade(&holder));
+            if generation.predicts() {
+                inner.plan_peers(&generation, &[0, 1]);
+            }
+        }
         // Reused files beyond capacity (a smaller --cache-size than last time) go now,
         // furthest next use first.
         inner.run(|core| ((), core.fit()));
@@ -287,6 +313,7 @@ impl Stager {
             effects.merge(core.reposition(generation.join(epoch, 0)));
             ((), effects)
         });
+        self.inner.plan_peers(&generation, &[epoch, epoch + 1]);
         log::info!("told the job is at epoch {epoch}: staging from there");
         true
     }

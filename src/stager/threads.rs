@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::MutexGuard;
 
 use super::backoff;
-use super::core::{Effects, Job};
+use super::core::{Effects, Job, Origin};
 use super::source::{self, SourceError};
 use super::{Inner, OpenError};
 use crate::cache::CopyError;
@@ -43,28 +43,44 @@ impl Inner {
             }
             self.apply(core, effects);
             if let Some(job) = job {
-                let result = self.copy_with_retries(job);
+                let (origin, result) = self.copy(job);
                 core = self.core.lock();
-                let effects = core.copied(job, result, Instant::now());
+                let effects = core.copied_from(job, origin, result, Instant::now());
                 self.apply(core, effects);
             }
             core = self.core.lock();
         }
     }
 
-    /// Copies `job`'s file into the cache, retrying what a failing file system may get right
-    /// next time; a changed file or a full cache is not retried.
-    fn copy_with_retries(self: &Arc<Self>, job: Job) -> Result<u64, CopyError> {
-        let (file, mut has_room) = (job.file, job.has_room);
+    /// Copies `job`'s file into the cache: from the peer holding it if one does and can give
+    /// it, else from SOURCE.
+    fn copy(self: &Arc<Self>, job: Job) -> (Origin, Result<u64, CopyError>) {
+        let mut has_room = job.has_room;
+        if let Some(result) = self.copy_from_peer(job, &mut has_room) {
+            return (Origin::Peer, result);
+        }
+        (Origin::Source, self.copy_with_retries(job, has_room))
+    }
+
+    /// Whether the copy of `job`, taken before its size was known, has room now that it is
+    /// known to be `size` bytes (see [`Core::admit`](super::core::Core::admit)).
+    pub(super) fn admit(self: &Arc<Self>, job: Job, size: u64) -> bool {
+        self.run(|core| {
+            let mut effects = Effects::default();
+            (core.admit(job, size, &mut effects), effects)
+        })
+    }
+
+    /// Copies `job`'s file from SOURCE into the cache, retrying what a failing file system may
+    /// get right next time; a changed file or a full cache is not retried.
+    fn copy_with_retries(self: &Arc<Self>, job: Job, mut has_room: bool) -> Result<u64, CopyError> {
+        let file = job.file;
         let mut attempt = 0;
         loop {
             let staged = match source::open_verified(&*self.source, &self.catalog, file) {
                 Ok((f, attributes)) => {
                     if !has_room {
-                        has_room = self.run(|core| {
-                            let mut effects = Effects::default();
-                            (core.admit(job, attributes.size, &mut effects), effects)
-                        });
+                        has_room = self.admit(job, attributes.size);
                         if !has_room {
                             return Err(CopyError::NoRoom);
                         }
@@ -131,10 +147,11 @@ impl Inner {
             if let Some(&first) = epochs.first() {
                 self.plan.forget_before(first);
             }
-            for epoch in epochs {
+            for &epoch in &epochs {
                 let plan = self.plan.epoch(&generation, epoch);
                 self.run(|core| ((), core.planned(plan)));
             }
+            self.plan_peers(&generation, &epochs);
             self.rekey_unplanned();
         }
     }

@@ -28,6 +28,11 @@ impl<R> Waiters<R> {
             .push(Waiter { reply, since });
     }
 
+    /// Whether a reader waits for `file`.
+    pub fn has(&self, file: FileId) -> bool {
+        self.0.contains_key(&file)
+    }
+
     /// Everyone waiting for `file`, now to be answered.
     pub fn take(&mut self, file: FileId) -> Vec<Waiter<R>> {
         self.0.remove(&file).unwrap_or_default()

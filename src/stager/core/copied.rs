@@ -7,6 +7,14 @@
 use std::time::Instant;
 
 use super::{Answer, Core, Effects, FileState, Job};
+
+/// Where a copy's bytes came from: SOURCE (counted as read from it), or another node of the
+/// job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Source,
+    Peer,
+}
 use crate::cache::CopyError;
 use crate::plan::TrackerMode;
 use crate::stager::OpenError;
@@ -15,13 +23,29 @@ use crate::stats::Counters;
 impl<R> Core<R> {
     /// Books the outcome of `job` and says how its waiting readers are answered. The worker
     /// that made it then asks for the next job itself: no wake-up here.
+    #[cfg(test)]
     pub fn copied(&mut self, job: Job, result: Result<u64, CopyError>, now: Instant) -> Effects<R> {
+        self.copied_from(job, Origin::Source, result, now)
+    }
+
+    /// [`copied`](Self::copied), from `origin`.
+    pub fn copied_from(
+        &mut self,
+        job: Job,
+        origin: Origin,
+        result: Result<u64, CopyError>,
+        now: Instant,
+    ) -> Effects<R> {
         let file = job.file;
         self.release(file);
         let waiters = self.waiters.take(file);
         let mut effects = Effects::default();
         let answer = match result {
             Ok(bytes) => {
+                if origin == Origin::Source {
+                    let epoch = self.tracker.epoch_position().0;
+                    self.counters.add_source_bytes(epoch, bytes);
+                }
                 self.cached(job, bytes, !waiters.is_empty());
                 Answer::FromCache(file)
             }
@@ -37,8 +61,7 @@ impl<R> Core<R> {
         effects
     }
 
-    /// A complete copy of `job`'s file (`bytes` read from SOURCE): cached, keyed by its next
-    /// use.
+    /// A complete copy of `job`'s file (`bytes`): cached, keyed by its next use.
     fn cached(&mut self, job: Job, bytes: u64, had_waiters: bool) {
         let file = job.file;
         self.backoff.succeeded();
@@ -46,10 +69,9 @@ impl<R> Core<R> {
         self.space.used += bytes;
         Counters::add(&self.counters.staged_files, 1);
         Counters::add(&self.counters.staged_bytes, bytes);
-        Counters::add(&self.counters.source_bytes, bytes);
         match self.tracker.mode() {
             TrackerMode::Predicting => {
-                let next = self.tracker.next_use(file);
+                let next = self.next_need(file);
                 self.space.evict.needed_at(file, next);
             }
             // Staged ahead for a prediction dropped meanwhile: first to go, as the other
@@ -90,6 +112,7 @@ impl<R> Core<R> {
             }
             // Unmounting: nobody waits for it any more, and the file is as if never staged.
             CopyError::Stopped => Answer::FromSource(file),
+            CopyError::Deferred => self.put_off(job, now),
             // Its size, learnt by the copy, does not fit: what a known size that does not fit
             // gets (readers served from SOURCE, the frontier waiting at it for room).
             CopyError::NoRoom => {

@@ -118,7 +118,10 @@ impl<R> Core<R> {
     /// Whether the frontier may take `pos`: predicting, not paused, within the horizon (the
     /// cursor's epoch and the next) and the lookahead.
     fn frontier_open(&self, pos: Position, now: Instant) -> bool {
-        if self.tracker.mode() != TrackerMode::Predicting || self.backoff.paused(now) {
+        if self.tracker.mode() != TrackerMode::Predicting
+            || self.backoff.paused(now)
+            || self.waiting_for_peer(now)
+        {
             return false;
         }
         let cursor = self.tracker.cursor();

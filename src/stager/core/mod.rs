@@ -14,11 +14,13 @@
 //! files, then the frontier ahead of the reader, within the cache's room), `frontier` (where
 //! staging ahead has got to, per lane, in the order eviction keeps), `copied` (what a
 //! copy's outcome does), `prediction` (a new generation, a new epoch's plan, the reader lost
-//! and found), `tick` (readers waiting too long, a pause ending, room coming back).
+//! and found), `peers` (what the job's other nodes will fetch from this one, and copies put
+//! off until the node holding them has read them), `tick` (readers waiting too long, a pause ending, room coming back).
 
 mod copied;
 mod frontier;
 mod opens;
+mod peers;
 mod prediction;
 mod schedule;
 mod tick;
@@ -39,6 +41,7 @@ use crate::catalog::{Catalog, FileId};
 use crate::plan::{Generation, Position, Tracker, TrackerMode};
 use crate::stats::{Counters, Gauges};
 
+pub use copied::Origin;
 pub use opens::Miss;
 
 /// A file's place in the stager.
@@ -179,6 +182,8 @@ pub struct Core<R> {
     /// gets lost (said once in the log), cleared when it predicts again.
     hint: Option<String>,
     streams: Streams,
+    /// What the job's other nodes will fetch from this one, and copies put off for them.
+    peer_needs: peers::PeerNeeds,
 }
 
 impl<R> Core<R> {
@@ -211,6 +216,7 @@ impl<R> Core<R> {
             resync_running: false,
             hint: None,
             streams: Streams::default(),
+            peer_needs: peers::PeerNeeds::default(),
         };
         core.place_frontiers(0);
         core.follow_stream();
@@ -223,7 +229,7 @@ impl<R> Core<R> {
         self.files.set(file, FileState::Cached);
         self.unverified.insert(file, size);
         self.space.used += size;
-        let next = self.tracker.next_use(file);
+        let next = self.next_need(file);
         self.space.evict.needed_at(file, next);
         Counters::add(&self.counters.reused_files, 1);
     }

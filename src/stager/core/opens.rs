@@ -40,7 +40,7 @@ impl<R> Core<R> {
         if self.space.evict.contains(file) {
             self.space.evict.read(file, self.access_seq);
             if predicted && self.tracker.mode() == TrackerMode::Predicting {
-                let next = self.tracker.next_use(file);
+                let next = self.next_need(file);
                 self.space.evict.needed_at(file, next);
             }
         }

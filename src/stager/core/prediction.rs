@@ -50,7 +50,7 @@ impl<R> Core<R> {
         }
         for &file in files {
             if self.space.evict.contains(file) {
-                let next = self.tracker.next_use(file);
+                let next = self.next_need(file);
                 if next != NEVER {
                     self.space.evict.needed_at(file, next);
                 }
@@ -165,7 +165,7 @@ impl<R> Core<R> {
                     self.ahead_bytes = self.ahead_bytes.saturating_sub(size);
                 }
                 if self.space.evict.contains(file) {
-                    let next = self.tracker.next_use(file);
+                    let next = self.next_need(file);
                     self.space.evict.needed_at(file, next);
                 }
             }
@@ -177,7 +177,7 @@ impl<R> Core<R> {
     /// Every cached file keyed by its next use from where the reader is.
     fn rekey_all(&mut self) {
         for file in self.space.evict.files() {
-            let next = self.tracker.next_use(file);
+            let next = self.next_need(file);
             self.space.evict.needed_at(file, next);
         }
     }

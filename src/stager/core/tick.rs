@@ -39,6 +39,8 @@ impl<R> Core<R> {
         if self.backoff.pause_ended(now) {
             effects.wake(Wake::All);
         }
+        self.end_peer_wait(now, &mut effects);
+        self.expire_peer_needs();
         effects
     }
 }
