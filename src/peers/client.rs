@@ -2,8 +2,9 @@
 //! first use and again after one breaks, every request multiplexed on them. What comes back is
 //! checked before it is kept: the size and source identity the holder states must be the
 //! catalog's, and the bytes must hash to the checksum the holder recorded when it staged the
-//! file. A peer that did not answer in time, or could not be reached, is left alone for
-//! [`DOWN_FOR`], so a dead or stopped node costs one timeout per worker, not one per file.
+//! file. A peer that did not answer in time is left alone for [`DOWN_FOR`], so a stopped node
+//! costs one timeout per worker, not one per file; one that could not be reached, for
+//! [`REFUSED_FOR`].
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -24,8 +25,12 @@ use super::{Fallback, FetchError, PeerSettings, encode_path};
 /// Connections kept to each peer: requests are multiplexed on each, and two spread the load of
 /// one connection's flow control and framing over two server threads.
 const CONNECTIONS_PER_PEER: usize = 2;
-/// How long a peer that timed out or could not be reached is not asked.
+/// How long a peer that did not answer in time is not asked: a stopped or hung node costs
+/// one timeout per copy worker every this often.
 const DOWN_FOR: Duration = Duration::from_secs(15);
+/// How long a peer that refused the connection is not asked: a node not started yet, or gone
+/// (its port closed), answers that at once, so it is tried again soon.
+const REFUSED_FOR: Duration = Duration::from_secs(1);
 
 /// What the fetching node knows of the file: the catalog's size and source identity.
 #[derive(Clone, Copy, Debug)]
@@ -86,9 +91,12 @@ impl Client {
         let result = fetched
             .await
             .unwrap_or(Err(FetchError::Failed(Fallback::Timeout)));
-        if let Err(FetchError::Failed(Fallback::Timeout | Fallback::Unreachable)) = result {
-            *link.down_until.lock() = Some(Instant::now() + DOWN_FOR);
-        }
+        let down_for = match result {
+            Err(FetchError::Failed(Fallback::Timeout)) => DOWN_FOR,
+            Err(FetchError::Failed(Fallback::Unreachable)) => REFUSED_FOR,
+            _ => return result,
+        };
+        *link.down_until.lock() = Some(Instant::now() + down_for);
         result
     }
 

@@ -166,10 +166,7 @@ impl Inner {
         let node = self.holder_of(peering, job)?;
         let relative = self.catalog.relative_path(job.file);
         if !peering.peers.is_up(node) {
-            peering
-                .peers
-                .fell_back(Fallback::Unreachable, node, &relative);
-            return None;
+            return self.not_now(peering, job, node, &relative, Fallback::Unreachable);
         }
         // What the copy must be: the catalog's version of the file (one lstat if the mount
         // has not seen it yet, still no read of SOURCE).
@@ -192,17 +189,34 @@ impl Inner {
             Err(PeerCopyError::Cache(e)) => Some(Err(e)),
             Err(PeerCopyError::Fetch(FetchError::Sink(e))) => Some(Err(CopyError::Cache(e))),
             Err(PeerCopyError::Fetch(FetchError::Later)) => {
-                if self.core.lock().may_wait_for_peer(job) {
-                    return Some(Err(CopyError::Deferred));
-                }
-                peering.peers.fell_back(Fallback::Later, node, &relative);
-                None
+                self.not_now(peering, job, node, &relative, Fallback::Later)
             }
+            Err(PeerCopyError::Fetch(FetchError::Failed(
+                why @ (Fallback::Timeout | Fallback::Unreachable),
+            ))) => self.not_now(peering, job, node, &relative, why),
             Err(PeerCopyError::Fetch(FetchError::Failed(why))) => {
                 peering.peers.fell_back(why, node, &relative);
                 None
             }
         }
+    }
+
+    /// The holder cannot give `job`'s file now (`why`: it has not read it yet, or does not
+    /// answer: not started yet, stopped, gone): put off if the reader is far enough from it
+    /// that the frontier will be back in time, else read from SOURCE.
+    fn not_now(
+        &self,
+        peering: &Peering,
+        job: Job,
+        node: usize,
+        relative: &Path,
+        why: Fallback,
+    ) -> Option<Result<u64, CopyError>> {
+        if self.core.lock().may_wait_for_peer(job) {
+            return Some(Err(CopyError::Deferred));
+        }
+        peering.peers.fell_back(why, node, relative);
+        None
     }
 
     fn fetch_into_cache(
