@@ -198,7 +198,7 @@ pub fn table(s: &Snapshot) -> String {
             "staged",
             format!("{} files, {}", s.staged_files, HumanBytes(s.staged_bytes)),
         ),
-        ("read from source", HumanBytes(s.source_bytes).to_string()),
+        ("read from source", source_line(s)),
         (
             "evictions",
             format!("{} ({} wasted)", s.evictions, HumanBytes(s.wasted_bytes)),
@@ -227,12 +227,65 @@ pub fn table(s: &Snapshot) -> String {
             "passthrough",
             if s.passthrough { "yes" } else { "no" }.to_string(),
         ),
-        ("uptime", format!("{:.0} s", s.uptime_seconds)),
     ];
+    if s.peer_files + s.peer_fallbacks + s.served_files + s.served_refused > 0 {
+        rows.extend(peer_rows(s));
+    }
+    rows.extend([("uptime", format!("{:.0} s", s.uptime_seconds))]);
     if !s.hint.is_empty() {
         rows.insert(2, ("hint", s.hint.clone()));
     }
     rows.iter().map(|(k, v)| format!("{k:<24}{v}\n")).collect()
+}
+
+/// Bytes read from SOURCE, and by epoch when there is more than one.
+fn source_line(s: &Snapshot) -> String {
+    let total = HumanBytes(s.source_bytes).to_string();
+    if s.source_bytes_by_epoch.len() < 2 {
+        return total;
+    }
+    let epochs: Vec<String> = (s.source_bytes_by_epoch.iter())
+        .map(|e| format!("{}: {}", e.epoch, HumanBytes(e.bytes)))
+        .collect();
+    format!("{total} (by epoch {})", epochs.join(", "))
+}
+
+/// The `--peers` rows: what came from the job's other nodes, what fell back to SOURCE and
+/// why, and what this node served them.
+fn peer_rows(s: &Snapshot) -> [(&'static str, String); 3] {
+    let causes: Vec<String> = (s.peer_fallbacks_by_cause.iter())
+        .filter(|&(_, &n)| n > 0)
+        .map(|(cause, n)| format!("{n} {cause}"))
+        .collect();
+    let causes = if causes.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", causes.join(", "))
+    };
+    [
+        (
+            "from peers",
+            format!(
+                "{} files, {} ({} put off until their holder had them)",
+                s.peer_files,
+                HumanBytes(s.peer_bytes),
+                s.peer_deferrals
+            ),
+        ),
+        (
+            "peer fallbacks",
+            format!("{} to the source{causes}", s.peer_fallbacks),
+        ),
+        (
+            "served to peers",
+            format!(
+                "{} files, {} ({} requests refused)",
+                s.served_files,
+                HumanBytes(s.served_bytes),
+                s.served_refused
+            ),
+        ),
+    ]
 }
 
 pub fn run(args: StatsArgs) -> anyhow::Result<()> {

@@ -1,1 +1,414 @@
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use xxhash_rust::xxh3::xxh3_128;
+
+use super::*;
+use crate::catalog::Layout;
+use crate::order::{SamplerConfig, SamplerKind};
+use crate::plan::Order;
+
+/// What a fake holder answers for a path.
+#[derive(Clone)]
+enum Fake {
+    Bytes {
+        data: Vec<u8>,
+        sum: u128,
+        identity: u64,
+    },
+    Later,
+    Gone,
+}
+
+struct FakeHolder {
+    dir: tempfile::TempDir,
+    files: Mutex<HashMap<PathBuf, Fake>>,
+}
+
+impl FakeHolder {
+    fn new() -> Arc<FakeHolder> {
+        Arc::new(FakeHolder {
+            dir: tempfile::tempdir().unwrap(),
+            files: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Holds `data` for `path`, recorded with checksum `sum` (its own unless told otherwise).
+    fn hold(&self, path: &str, data: &[u8], sum: Option<u128>, identity: u64) {
+        let fake = Fake::Bytes {
+            data: data.to_vec(),
+            sum: sum.unwrap_or_else(|| xxh3_128(data)),
+            identity,
+        };
+        self.files.lock().unwrap().insert(path.into(), fake);
+    }
+
+    fn set(&self, path: &str, fake: Fake) {
+        self.files.lock().unwrap().insert(path.into(), fake);
+    }
+}
+
+impl Holder for FakeHolder {
+    fn held(&self, relative: &Path) -> Held {
+        match self.files.lock().unwrap().get(relative).cloned() {
+            Some(Fake::Bytes {
+                data,
+                sum,
+                identity,
+            }) => {
+                // A file per request: requests are answered concurrently.
+                static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let path = self.dir.path().join(seq.to_string());
+                std::fs::write(&path, &data).unwrap();
+                Held::Copy {
+                    file: std::fs::File::open(&path).unwrap(),
+                    size: data.len() as u64,
+                    sum,
+                    identity,
+                }
+            }
+            Some(Fake::Later) => Held::Later,
+            Some(Fake::Gone) => Held::Gone,
+            None => Held::Unknown,
+        }
+    }
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Node 0 (fetching) and node 1 (serving what `holder` holds), with `secrets` each.
+fn two_nodes(holder: &Arc<FakeHolder>, secrets: [&[u8]; 2], timeout: Duration) -> (Peers, Peers) {
+    let addrs = vec![free_port(), free_port()];
+    let node = |node: usize| {
+        let settings = PeerSettings {
+            addrs: addrs.clone(),
+            node,
+            token: Token::of(secrets[node]),
+            timeout,
+        };
+        Peers::new(settings, Arc::new(Counters::default())).unwrap()
+    };
+    let (fetching, serving) = (node(0), node(1));
+    let holder: Arc<dyn Holder> = holder.clone();
+    serving.serve(Arc::downgrade(&holder));
+    // The server holds the holder weakly: keep it alive for the test.
+    std::mem::forget(holder);
+    (fetching, serving)
+}
+
+const SECRET: &[u8] = b"a secret of the job, long enough";
+
+fn fetch(peers: &Peers, path: &str, size: u64, identity: u64) -> Result<Vec<u8>, FetchError> {
+    let mut sink = Vec::new();
+    let expected = Expected { size, identity };
+    peers
+        .fetch(1, Path::new(path), &expected, &mut sink)
+        .map(|_| sink)
+}
+
+#[test]
+fn a_held_copy_comes_whole_and_checked() {
+    let holder = FakeHolder::new();
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7) as u8).collect();
+    holder.hold("train/a/x.jpg", &data, None, 42);
+    let (fetching, serving) = two_nodes(&holder, [SECRET, SECRET], Duration::from_secs(5));
+    let got = fetch(&fetching, "train/a/x.jpg", data.len() as u64, 42).unwrap();
+    assert!(got == data, "bytes differ");
+    assert_eq!(Counters::get(&fetching.counters.peer_files), 1);
+    assert_eq!(
+        Counters::get(&fetching.counters.peer_bytes),
+        data.len() as u64
+    );
+    // Counted once the last chunk went.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Counters::get(&serving.counters.served_bytes) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        Counters::get(&serving.counters.served_bytes),
+        data.len() as u64
+    );
+}
+
+#[test]
+fn many_fetches_at_once_share_the_connections() {
+    let holder = FakeHolder::new();
+    for i in 0..50 {
+        holder.hold(&format!("f{i}"), format!("file {i}").as_bytes(), None, i);
+    }
+    let (fetching, _serving) = two_nodes(&holder, [SECRET, SECRET], Duration::from_secs(5));
+    let fetching = Arc::new(fetching);
+    let threads: Vec<_> = (0..50u64)
+        .map(|i| {
+            let fetching = fetching.clone();
+            std::thread::spawn(move || {
+                let want = format!("file {i}");
+                let got = fetch(&fetching, &format!("f{i}"), want.len() as u64, i).unwrap();
+                assert_eq!(got, want.as_bytes());
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn another_jobs_secret_gets_nothing() {
+    let holder = FakeHolder::new();
+    holder.hold("x", b"private bytes", None, 1);
+    let (fetching, serving) = two_nodes(
+        &holder,
+        [b"another job's secret, long enough", SECRET],
+        Duration::from_secs(5),
+    );
+    match fetch(&fetching, "x", 13, 1) {
+        Err(FetchError::Failed(Fallback::Refused)) => {}
+        other => panic!("got {other:?}"),
+    }
+    assert_eq!(Counters::get(&serving.counters.served_refused), 1);
+    assert_eq!(Counters::get(&serving.counters.served_files), 0);
+}
+
+#[test]
+fn what_the_holder_lacks_is_not_held_or_later() {
+    let holder = FakeHolder::new();
+    holder.set("later", Fake::Later);
+    holder.set("gone", Fake::Gone);
+    let (fetching, serving) = two_nodes(&holder, [SECRET, SECRET], Duration::from_secs(5));
+    assert!(matches!(
+        fetch(&fetching, "later", 1, 1),
+        Err(FetchError::Later)
+    ));
+    assert!(matches!(
+        fetch(&fetching, "gone", 1, 1),
+        Err(FetchError::Failed(Fallback::NotHeld))
+    ));
+    // Outside the catalog: nothing, and counted as refused.
+    assert!(matches!(
+        fetch(&fetching, "etc/passwd", 1, 1),
+        Err(FetchError::Failed(Fallback::NotHeld))
+    ));
+    assert_eq!(Counters::get(&serving.counters.served_refused), 1);
+}
+
+#[test]
+fn corrupt_and_stale_copies_are_caught() {
+    let holder = FakeHolder::new();
+    holder.hold("corrupt", b"bytes that changed", Some(12345), 7);
+    holder.hold("stale", b"an older version", None, 8);
+    let (fetching, _serving) = two_nodes(&holder, [SECRET, SECRET], Duration::from_secs(5));
+    assert!(matches!(
+        fetch(&fetching, "corrupt", 18, 7),
+        Err(FetchError::Failed(Fallback::Corrupt))
+    ));
+    // Another identity than the catalog's, or another size.
+    assert!(matches!(
+        fetch(&fetching, "stale", 16, 9),
+        Err(FetchError::Failed(Fallback::Stale))
+    ));
+    assert!(matches!(
+        fetch(&fetching, "stale", 17, 8),
+        Err(FetchError::Failed(Fallback::Stale))
+    ));
+    assert_eq!(Counters::get(&fetching.counters.peer_files), 0);
+}
+
+#[test]
+fn a_dead_or_silent_peer_costs_at_most_the_timeout() {
+    // Node 1 is a port nobody listens on, then one that accepts and never answers.
+    let dead = free_port();
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    for (addr, want) in [
+        (dead, Fallback::Unreachable),
+        (silent.local_addr().unwrap(), Fallback::Timeout),
+    ] {
+        let settings = PeerSettings {
+            addrs: vec![free_port(), addr],
+            node: 0,
+            token: Token::of(SECRET),
+            timeout: Duration::from_millis(300),
+        };
+        let peers = Peers::new(settings, Arc::new(Counters::default())).unwrap();
+        let started = Instant::now();
+        match fetch(&peers, "x", 1, 1) {
+            Err(FetchError::Failed(why)) => assert_eq!(why, want),
+            other => panic!("got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(3));
+        // Not asked again for a while: no second wait.
+        assert!(!peers.is_up(1));
+    }
+}
+
+#[test]
+fn a_connection_without_the_secret_is_closed() {
+    let holder = FakeHolder::new();
+    let (_fetching, serving) = two_nodes(&holder, [SECRET, SECRET], Duration::from_secs(5));
+    let mut idle = std::net::TcpStream::connect(serving.settings().addrs[1]).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let _ = idle.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match std::io::Read::read(&mut idle, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(15), "kept open");
+    assert!(Counters::get(&serving.counters.served_refused) >= 1);
+}
+
+#[test]
+fn paths_are_relative_and_normal() {
+    for path in ["a/b.jpg", "x", "dir with space/ü.png"] {
+        let encoded = encode_path(Path::new(path));
+        let hex = encoded.strip_prefix("/copy/").unwrap();
+        assert_eq!(decode_path(hex).unwrap(), Path::new(path));
+    }
+    for bad in ["/etc/passwd", "../x", "a/../../x", "./a", ""] {
+        let hex: String = bad.bytes().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(decode_path(&hex), None, "{bad:?}");
+    }
+    assert_eq!(decode_path("abc"), None);
+    assert_eq!(decode_path("zz"), None);
+}
+
+#[test]
+fn peers_are_listed_once_with_this_node_among_them() {
+    assert_eq!(resolve("127.0.0.1:1,127.0.0.1:2", 1).unwrap().len(), 2);
+    assert!(matches!(
+        resolve("127.0.0.1:1,127.0.0.1:2", 2),
+        Err(PeerError::Node { node: 2, count: 2 })
+    ));
+    assert!(matches!(
+        resolve("127.0.0.1:1,127.0.0.1:1", 0),
+        Err(PeerError::Duplicate(_))
+    ));
+    assert!(matches!(resolve("nohost", 0), Err(PeerError::Address(_))));
+    assert!(matches!(resolve(" , ", 0), Err(PeerError::NoAddress)));
+}
+
+#[test]
+fn secrets_are_private_files_compared_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("secret");
+    std::fs::write(&path, "0123456789abcdef0123\n").unwrap();
+    let uid = crate::sys::euid();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(matches!(
+        Token::read(&path, uid),
+        Err(SecretError::Shared { .. })
+    ));
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let token = Token::read(&path, uid).unwrap();
+    assert_eq!(token, Token::of(b"0123456789abcdef0123"));
+    assert!(token.matches(token.as_str().as_bytes()));
+    assert!(!token.matches(Token::of(b"another secret!!!").as_str().as_bytes()));
+    assert!(!token.matches(b""));
+    assert!(matches!(
+        Token::read(&path, uid + 1),
+        Err(SecretError::NotOwned { .. })
+    ));
+    std::fs::write(&path, "short").unwrap();
+    assert!(matches!(
+        Token::read(&path, uid),
+        Err(SecretError::Length(_))
+    ));
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    assert!(matches!(Token::read(&link, uid), Err(SecretError::Io(..))));
+}
+
+fn distributed(world: u32, ranks: Vec<u32>, n: u32) -> Order {
+    let mut sampler = SamplerConfig::new(SamplerKind::TorchDistributed);
+    sampler.world_size = world;
+    sampler.seed = 3;
+    Order {
+        sampler,
+        ranks,
+        layout: Arc::new(Layout::identity(n)),
+    }
+}
+
+#[test]
+fn each_node_holds_what_its_ranks_read() {
+    let (n, world, nodes) = (1000u32, 8u32, 4usize);
+    let per_node = world / nodes as u32;
+    let placements: Vec<Placement> = (0..nodes)
+        .map(|node| {
+            let ranks = (node as u32 * per_node..(node as u32 + 1) * per_node).collect();
+            Placement::new(&distributed(world, ranks, n), nodes, node).unwrap()
+        })
+        .collect();
+    for epoch in [0, 1] {
+        let readers = placements[0].readers(epoch, n as usize);
+        for node in 0..nodes {
+            // The node's own stream, as its mount predicts it (1000 samples over 8 ranks: no
+            // padding, each file read once): every file in it is read by this node, at the
+            // offset it has there.
+            let ranks: Vec<u32> = (node as u32 * per_node..(node as u32 + 1) * per_node).collect();
+            let stream = distributed(world, ranks, n).stream(epoch);
+            assert_eq!(stream.len(), (n / nodes as u32) as usize);
+            for (offset, file) in stream.iter().enumerate() {
+                let file = file.get().unwrap();
+                assert_eq!(readers.node_of(file), Some(node));
+                assert_eq!(readers.offset_of(file), Some(offset as u64));
+            }
+        }
+    }
+    // What node 0 will be asked for: files it reads in epoch 0 that another node reads in 1.
+    let (e0, e1) = (
+        placements[0].readers(0, n as usize),
+        placements[0].readers(1, n as usize),
+    );
+    let needs = placements[0].needs(&e0, &e1);
+    assert!(needs.len() > 150 && needs.len() < 250, "{}", needs.len());
+    for (file, offset) in needs {
+        assert_eq!(e0.node_of(file), Some(0));
+        let reader = e1.node_of(file).unwrap();
+        assert_ne!(reader, 0);
+        assert_eq!(placements[reader].holder(&e0, file), Some(0));
+        assert_eq!(e1.offset_of(file), Some(offset));
+    }
+}
+
+#[test]
+fn orders_peers_cannot_place_are_refused() {
+    let random = Order {
+        sampler: SamplerConfig::new(SamplerKind::TorchRandom),
+        ranks: vec![0],
+        layout: Arc::new(Layout::identity(10)),
+    };
+    assert_eq!(
+        Placement::new(&random, 2, 0).err(),
+        Some(PlacementError::NotDistributed)
+    );
+    assert!(matches!(
+        Placement::new(&distributed(6, vec![0], 10), 4, 0),
+        Err(PlacementError::World { .. })
+    ));
+    // Node 1 of 2 with world 4 serves ranks 2 and 3.
+    assert!(Placement::new(&distributed(4, vec![3, 2], 10), 2, 1).is_ok());
+    assert!(matches!(
+        Placement::new(&distributed(4, vec![1, 2], 10), 2, 1),
+        Err(PlacementError::Ranks {
+            first: 2,
+            last: 3,
+            ..
+        })
+    ));
+}

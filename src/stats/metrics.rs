@@ -80,6 +80,36 @@ fn counters(s: &Snapshot) -> Vec<Row> {
             s.source_bytes as f64,
         ),
         (
+            "stagefs_peer_files_total",
+            "counter",
+            "Files staged from the job's other nodes (--peers).",
+            s.peer_files as f64,
+        ),
+        (
+            "stagefs_peer_bytes_total",
+            "counter",
+            "Bytes staged from the job's other nodes (--peers).",
+            s.peer_bytes as f64,
+        ),
+        (
+            "stagefs_peer_fallbacks_total",
+            "counter",
+            "Files a peer was thought to hold that were read from the source after all.",
+            s.peer_fallbacks as f64,
+        ),
+        (
+            "stagefs_served_bytes_total",
+            "counter",
+            "Bytes this node sent the job's other nodes.",
+            s.served_bytes as f64,
+        ),
+        (
+            "stagefs_served_refused_total",
+            "counter",
+            "Peer requests refused (no secret, not a peer, not a file of the catalog).",
+            s.served_refused as f64,
+        ),
+        (
             "stagefs_evictions_total",
             "counter",
             "Files evicted from the cache.",
