@@ -30,9 +30,9 @@ fi
 clean_up() {
   local state=$1
   st_MOUNTPOINT="" st_CACHE_DIR="" st_MOUNTPOINT_OWNER="" st_MOUNTPOINT_MADE=0 st_CACHE_PARENT_MADE=0
-  st_JOB_UID=$(id -u) st_JOB_GID=$(id -g) st_JOB_USER="" st_INDEX_FILE=""
+  st_JOB_UID=$(id -u) st_JOB_GID=$(id -g) st_JOB_USER="" st_INDEX_FILE="" st_PEER_DIR=""
   read_settings st MOUNTPOINT MOUNTPOINT_OWNER CACHE_DIR JOB_UID JOB_GID JOB_USER \
-    MOUNTPOINT_MADE CACHE_PARENT_MADE INDEX_FILE <"$state" || return 1
+    MOUNTPOINT_MADE CACHE_PARENT_MADE INDEX_FILE PEER_DIR <"$state" || return 1
   job_uid=$st_JOB_UID job_gid=$st_JOB_GID job_user=$st_JOB_USER
   if [[ $st_MOUNTPOINT != /?* ]] || [[ $st_CACHE_DIR != /?* ]]; then
     warn "$state does not name absolute directories; leaving it"
@@ -43,6 +43,8 @@ clean_up() {
     return 1
   fi
   rm -rf --one-file-system -- "$st_CACHE_DIR"
+  # The job's peer secret (see the prolog's Peers).
+  [[ $st_PEER_DIR != /?*.peers ]] || rm -rf --one-file-system -- "$st_PEER_DIR"
   # The job's index, which node 0 wrote (on a shared file system, as the job's user).
   [ -z "$st_INDEX_FILE" ] || as_job_user rm -f -- "$st_INDEX_FILE"
   if [ "$st_CACHE_PARENT_MADE" = 1 ]; then

@@ -51,6 +51,15 @@
 #   INDEX=                            the job's listing of SOURCE, on a file system all its nodes
 #                                     share (e.g. /shared/stagefs/%j.index or %w/.stagefs-%j.index)
 #   INDEX_WAIT=120                    seconds the other nodes wait for it (see One listing)
+#   PEER_PORT=                        base port for peers (see Peers); empty: peers off
+#   PEER_KEY=/etc/stagefs/peer.key    the site's peer key: the same on every node, root's, 0600
+#
+# Peers. With PEER_PORT set, a job of several nodes gets `--peers` (every node of the job at
+# port PEER_PORT + job id % 1000, in node-list order), `--node` (this node's index) and
+# `--peer-secret-file`: a file only the job's user can read, in a directory beside the cache,
+# holding the SHA-256 of the site's PEER_KEY and the job id. Every node of the job derives the
+# same secret without talking to the others; another job, or a user without the key, cannot.
+# A mount that cannot take peers (the port is taken) is made again without them.
 #
 # One listing per job. Each node's mount lists SOURCE's directories (one request per directory
 # to SOURCE's metadata server, none per file). With INDEX set, node 0 lists SOURCE once into
@@ -276,9 +285,45 @@ write_state() {
     printf 'JOB_UID=%s\nJOB_GID=%s\nJOB_USER=%s\n' "$job_uid" "$job_gid" "$job_user"
     printf 'MOUNTPOINT_MADE=%s\nCACHE_PARENT_MADE=%s\n' "$mnt_made" "$cache_parent_made"
     printf 'INDEX_FILE=%s\n' "$index_written"
+    printf 'PEER_DIR=%s\n' "$peer_dir"
   } >"$state.tmp" && mv -f -- "$state.tmp" "$state"
 }
+# Sets `peer_args` to the job's --peers options, and `peer_dir` to the directory made for its
+# secret (see Peers); both empty with PEER_PORT unset, a single node, or no usable key (said).
+job_peers() {
+  peer_args=() peer_dir=""
+  [ -n "$conf_PEER_PORT" ] && [ "$nodes" -gt 1 ] || return 0
+  local port list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}} host addrs=""
+  if ! [[ $conf_PEER_PORT =~ ^[0-9]+$ ]] || [ "$conf_PEER_PORT" -gt 64535 ]; then
+    warn "job $SLURM_JOB_ID: PEER_PORT '$conf_PEER_PORT' is not a port below 64536; peers off"
+    return 0
+  fi
+  port=$((conf_PEER_PORT + SLURM_JOB_ID % 1000))
+  while IFS= read -r host; do
+    addrs+="${addrs:+,}$host:$port"
+  done < <(scontrol show hostnames "$list")
+  if [ "$(stat -L -c %u:%a -- "$conf_PEER_KEY" 2>/dev/null)" != "0:600" ] || [ ! -f "$conf_PEER_KEY" ]; then
+    warn "job $SLURM_JOB_ID: peer key $conf_PEER_KEY is not a root-owned 0600 file; peers off"
+    return 0
+  fi
+  peer_dir="$cache.peers"
+  if [ -e "$peer_dir" ] || ! new_dir "$peer_dir" 0700; then
+    warn "job $SLURM_JOB_ID: cannot create $peer_dir for the peer secret; peers off"
+    peer_dir=""
+    return 0
+  fi
+  # Written by the job's user into its own directory: root never writes where it could be
+  # led by a link.
+  # shellcheck disable=SC2016 # $1 is the inner shell's argument
+  { cat -- "$conf_PEER_KEY"; printf 'stagefs peers, job %s\n' "$SLURM_JOB_ID"; } | sha256sum | cut -d' ' -f1 |
+    as_job_user sh -c 'umask 077 && cat >"$1"' sh "$peer_dir/secret" || {
+    warn "job $SLURM_JOB_ID: cannot write the peer secret; peers off"
+    return 0
+  }
+  peer_args=(--peers "$addrs" --node "$node" --peer-secret-file "$peer_dir/secret")
+}
 job_index
+job_peers
 write_state || fail "cannot write $state"
 state_written=1
 
@@ -296,11 +341,17 @@ mount_dataset() {
   set +f
   return "$status"
 }
-if [ -n "$index" ] && ! said=$(mount_dataset --index "$index"); then
+if [ "${#peer_args[@]}" -gt 0 ] && ! said=$(mount_dataset "${peer_args[@]}" ${index:+--index "$index"}); then
+  warn "job $SLURM_JOB_ID: mounting with peers failed (${said:-no message}); mounting without them"
+  peer_args=()
+elif [ "${#peer_args[@]}" -gt 0 ]; then
+  index="" said="" mounted_with_peers=1
+fi
+if [ -z "${mounted_with_peers:-}" ] && [ -n "$index" ] && ! said=$(mount_dataset --index "$index"); then
   warn "job $SLURM_JOB_ID: mounting from the index $index failed (${said:-no message}); listing SOURCE here"
   index=""
 fi
-if [ -z "$index" ] && ! said=$(mount_dataset); then
+if [ -z "${mounted_with_peers:-}" ] && [ -z "$index" ] && ! said=$(mount_dataset); then
   fail "stagefs mount $req_SOURCE failed: ${said:-no message}"
 fi
 [ -z "$said" ] || warn "job $SLURM_JOB_ID: $said"
