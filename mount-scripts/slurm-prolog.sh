@@ -52,10 +52,13 @@
 #                                     share (e.g. /shared/stagefs/%j.index or %w/.stagefs-%j.index)
 #   INDEX_WAIT=120                    seconds the other nodes wait for it (see One listing)
 #   PEER_PORT=                        base port for peers (see Peers); empty: peers off
+#   PEER_ADDRESS=%h:%p                each node's peer address: %h its host name in the node
+#                                     list, %p the job's port, %i its index in the job
 #   PEER_KEY=/etc/stagefs/peer.key    the site's peer key: the same on every node, root's, 0600
 #
-# Peers. With PEER_PORT set, a job of several nodes gets `--peers` (every node of the job at
-# port PEER_PORT + job id % 1000, in node-list order), `--node` (this node's index) and
+# Peers. With PEER_PORT set, a job of several nodes gets `--peers` (every node of the job, in
+# node-list order, at PEER_ADDRESS: its host name and port PEER_PORT + job id % 1000 unless
+# the site says otherwise), `--node` (this node's index) and
 # `--peer-secret-file`: a file only the job's user can read, in a directory beside the cache,
 # holding the SHA-256 of the site's PEER_KEY and the job id. Every node of the job derives the
 # same secret without talking to the others; another job, or a user without the key, cannot.
@@ -293,14 +296,17 @@ write_state() {
 job_peers() {
   peer_args=() peer_dir=""
   [ -n "$conf_PEER_PORT" ] && [ "$nodes" -gt 1 ] || return 0
-  local port list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}} host addrs=""
+  local port list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}} host addrs="" i=0 addr
   if ! [[ $conf_PEER_PORT =~ ^[0-9]+$ ]] || [ "$conf_PEER_PORT" -gt 64535 ]; then
     warn "job $SLURM_JOB_ID: PEER_PORT '$conf_PEER_PORT' is not a port below 64536; peers off"
     return 0
   fi
   port=$((conf_PEER_PORT + SLURM_JOB_ID % 1000))
   while IFS= read -r host; do
-    addrs+="${addrs:+,}$host:$port"
+    addr=${conf_PEER_ADDRESS//%h/$host}
+    addr=${addr//%p/$port}
+    addrs+="${addrs:+,}${addr//%i/$i}"
+    i=$((i + 1))
   done < <(scontrol show hostnames "$list")
   if [ "$(stat -L -c %u:%a -- "$conf_PEER_KEY" 2>/dev/null)" != "0:600" ] || [ ! -f "$conf_PEER_KEY" ]; then
     warn "job $SLURM_JOB_ID: peer key $conf_PEER_KEY is not a root-owned 0600 file; peers off"

@@ -137,6 +137,7 @@ load_slurm_config() {
   conf_INDEX=""
   conf_INDEX_WAIT=120
   conf_PEER_PORT=""
+  conf_PEER_ADDRESS=%h:%p
   conf_PEER_KEY=/etc/stagefs/peer.key
   local file=${STAGEFS_SLURM_CONF:-/etc/stagefs/slurm.conf}
   if [ -n "${STAGEFS_SLURM_CONF:-}" ] && [ ! -r "$file" ]; then
@@ -145,7 +146,7 @@ load_slurm_config() {
   fi
   if [ -r "$file" ]; then
     read_settings conf MOUNTPOINT CACHE_DIR STATE_DIR REQUEST_FILE ON_FAILURE GPUS_PER_NODE \
-      SOURCE SAMPLER SEED OPTIONS STAGEFS LOG INDEX INDEX_WAIT PEER_PORT PEER_KEY <"$file"
+      SOURCE SAMPLER SEED OPTIONS STAGEFS LOG INDEX INDEX_WAIT PEER_PORT PEER_ADDRESS PEER_KEY <"$file"
   fi
   if [ -z "${STAGEFS:-}" ] && [ -n "$conf_STAGEFS" ]; then
     STAGEFS=$conf_STAGEFS

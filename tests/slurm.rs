@@ -351,7 +351,10 @@ fn node_files(index: u32, seed: u32) -> usize {
 /// before the first step, the reads through it were hits of the predicted order with the
 /// source's bytes, and after the job the epilog removed the mount, its daemon, the cache and
 /// the prolog's state.
-fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
+/// Runs a two-node job that reads SOURCE through its mounts and directly, and checks every read
+/// was a predicted hit of the right bytes and the epilog left nothing. `peers`: the site turned
+/// peers on, so each node staged some of its files from the other.
+fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32, peers: bool) {
     let staged: Vec<usize> = (0..NODES).map(|node| node_files(node, seed)).collect();
     let job = Job::new(cluster, name, source, seed, &staged);
     let (id, out) = job.sbatch(cluster, true);
@@ -389,6 +392,22 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
         // The TaskProlog turned the hook on: the reads were batch opens, not FUSE opens.
         assert_eq!(last["descriptor_opens"], opens, "node {node}: {last}");
         assert_eq!(last["ops"]["open"], 0, "node {node}: {last}");
+        if peers {
+            // Epoch 1's files the other node read in epoch 0 came from it.
+            let from_peers = last["peer_files"].as_u64().unwrap();
+            assert!(from_peers > 0, "node {node}: nothing from its peer: {last}");
+            assert!(
+                last["served_files"].as_u64().unwrap() > 0,
+                "node {node}: {last}"
+            );
+            assert_eq!(last["served_refused"], 0, "node {node}: {last}");
+            assert_eq!(
+                last["peer_fallbacks_by_cause"]["refused"], 0,
+                "node {node}: {last}"
+            );
+        } else {
+            assert_eq!(last["peer_files"], 0, "node {node}: {last}");
+        }
         let mounted = format!(
             "job {id}: mounted {} at {} (node {node}: ranks {ranks} of {WORLD})",
             source.display(),
@@ -420,6 +439,11 @@ fn run_good_job(cluster: &Cluster, name: &str, source: &Path, seed: u32) {
             !cluster.cache(node, &id).exists(),
             "job {id} node {node}: the cache is left"
         );
+        let secret_dir = PathBuf::from(format!("{}.peers", cluster.cache(node, &id).display()));
+        assert!(
+            !secret_dir.exists(),
+            "job {id} node {node}: the peer secret is left"
+        );
         let pid: i32 = job
             .read(&format!("daemon.{node}.pid"))
             .trim()
@@ -446,9 +470,22 @@ fn slurm_prolog_and_epilog_under_a_real_slurmd() {
     image_folder(&source, FILES, 4, 200, 2000);
     assert!(cluster.all_idle(), "{:?}", cluster.node_states());
 
-    // Two jobs in a row on the same nodes, each with its own mounts, order and caches.
-    run_good_job(&cluster, "first", &source, 3);
-    run_good_job(&cluster, "second", &source, 11);
+    // Two jobs in a row on the same nodes, each with its own mounts, order and caches; the
+    // second with peers on (both "nodes" are this host: each listens on its own port, the
+    // job's port followed by the node's index).
+    run_good_job(&cluster, "first", &source, 3, false);
+    let key = cluster.dir().join("peer.key");
+    fs::write(&key, "the site's peer key, the same on every node\n").unwrap();
+    fs::set_permissions(
+        &key,
+        <fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
+    cluster.configure(&format!(
+        "PEER_PORT=2000\nPEER_ADDRESS=127.0.0.1:%p%i\nPEER_KEY={}\n",
+        key.display()
+    ));
+    run_good_job(&cluster, "second", &source, 11, true);
 
     // A request for a source that does not exist: by default the job runs without a mount,
     // the reason is in the prolog's log, and the nodes stay in service.
