@@ -98,6 +98,7 @@ cache_made=""  # the cache directory, if this run made it
 give_back=""   # the mountpoint's owner before this run, to restore
 state_written="" # the state file for the epilog exists
 index_written="" # the job's index, if this node wrote it
+peer_dir=""      # the directory of the job's peer secret, if this run made or took it
 # Reports an error, removes what this run created, and exits as ON_FAILURE says.
 fail() {
   warn "job ${SLURM_JOB_ID:-?}: $*; no dataset mounted"
@@ -105,6 +106,7 @@ fail() {
   [ -z "$give_back" ] || chown "$give_back" -- "$mnt"
   [ -z "$state_written" ] || rm -f -- "$state"
   [ -z "$index_written" ] || as_job_user rm -f -- "$index_written"
+  [ -z "$peer_dir" ] || rm -rf --one-file-system -- "$peer_dir"
   local i
   for ((i = ${#created[@]} - 1; i >= 0; i--)); do
     rmdir -- "${created[i]}" 2>/dev/null
@@ -312,12 +314,18 @@ job_peers() {
     warn "job $SLURM_JOB_ID: peer key $conf_PEER_KEY is not a root-owned 0600 file; peers off"
     return 0
   fi
-  peer_dir="$cache.peers"
-  if [ -e "$peer_dir" ] || ! new_dir "$peer_dir" 0700; then
-    warn "job $SLURM_JOB_ID: cannot create $peer_dir for the peer secret; peers off"
-    peer_dir=""
+  [ -n "$addrs" ] || {
+    warn "job $SLURM_JOB_ID: scontrol expanded the node list '$list' to nothing; peers off"
+    return 0
+  }
+  local dir="$cache.peers"
+  # One a killed run of this prolog made is taken again: the job's user's own, private.
+  if ! { [ -d "$dir" ] && [ ! -L "$dir" ] && [ "$(stat -c %u:%a -- "$dir")" = "$job_uid:700" ]; } &&
+    { [ -e "$dir" ] || [ -L "$dir" ] || ! new_dir "$dir" 0700; }; then
+    warn "job $SLURM_JOB_ID: cannot create $dir for the peer secret; peers off"
     return 0
   fi
+  peer_dir=$dir
   # Written by the job's user into its own directory: root never writes where it could be
   # led by a link.
   # shellcheck disable=SC2016 # $1 is the inner shell's argument
@@ -351,7 +359,7 @@ if [ "${#peer_args[@]}" -gt 0 ] && ! said=$(mount_dataset "${peer_args[@]}" ${in
   warn "job $SLURM_JOB_ID: mounting with peers failed (${said:-no message}); mounting without them"
   peer_args=()
 elif [ "${#peer_args[@]}" -gt 0 ]; then
-  index="" said="" mounted_with_peers=1
+  index="" mounted_with_peers=1
 fi
 if [ -z "${mounted_with_peers:-}" ] && [ -n "$index" ] && ! said=$(mount_dataset --index "$index"); then
   warn "job $SLURM_JOB_ID: mounting from the index $index failed (${said:-no message}); listing SOURCE here"

@@ -20,6 +20,7 @@ use common::{
     TestMount, bin, daemon_pid, image_folder, is_mounted, process_alive, signal, stagefs, stats_at,
     text, wait_until,
 };
+use sha2::{Digest, Sha256};
 use tempfile::TempDir;
 
 /// Longest any single step may take before the test gives up (a hang guard, not a timing check).
@@ -704,7 +705,7 @@ fn stagefs_run_refuses_a_busy_mountpoint() {
 }
 
 /// A faked Slurm setup on this machine: site configuration with per-node (%n) paths under a
-/// temporary directory, and a stub `scontrol` expanding the one node list the tests use.
+/// temporary directory, and a stub `scontrol` expanding the job's node list.
 struct FakeSlurm {
     dir: TempDir,
     source: PathBuf,
@@ -712,7 +713,13 @@ struct FakeSlurm {
 }
 
 impl FakeSlurm {
+    /// A job on the nodes `gpu[01-02]`.
     fn new(extra_config: &str) -> FakeSlurm {
+        FakeSlurm::with_nodes(extra_config, "gpu[01-02]", &["gpu01", "gpu02"])
+    }
+
+    /// A job whose node list `list` `scontrol show hostnames` expands to `hosts`.
+    fn with_nodes(extra_config: &str, list: &str, hosts: &[&str]) -> FakeSlurm {
         let dir = TempDir::new().unwrap();
         let root = dir.path();
         let source = root.join("src");
@@ -728,9 +735,12 @@ impl FakeSlurm {
         fs::create_dir_all(stub.parent().unwrap()).unwrap();
         fs::write(
             &stub,
-            "#!/bin/sh\ncase \"$1 $2\" in\n\
-             'show hostnames') [ \"$3\" = 'gpu[01-02]' ] && printf 'gpu01\\ngpu02\\n' ;;\n\
-             *) exit 1 ;;\nesac\n",
+            format!(
+                "#!/bin/sh\ncase \"$1 $2\" in\n\
+                 'show hostnames') [ \"$3\" = '{list}' ] && printf '%s\\n' {hosts} ;;\n\
+                 *) exit 1 ;;\nesac\n",
+                hosts = hosts.join(" ")
+            ),
         )
         .unwrap();
         fs::set_permissions(&stub, fs::Permissions::from_mode(0o755)).unwrap();
@@ -743,6 +753,13 @@ impl FakeSlurm {
 
     fn root(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// Adds `lines` to the site configuration (a key given again overrides the earlier one).
+    fn add_config(&self, lines: &str) {
+        let conf = self.root().join("slurm.conf");
+        let config = fs::read_to_string(&conf).unwrap() + lines;
+        fs::write(&conf, config).unwrap();
     }
 
     fn mnt(&self, job: &str, node: u32) -> PathBuf {
@@ -977,10 +994,10 @@ fn slurm_prolog_shares_one_listing_per_job() {
     let slurm = FakeSlurm::new("");
     let shared = slurm.root().join("shared");
     fs::create_dir(&shared).unwrap();
-    let conf = slurm.root().join("slurm.conf");
-    let mut config = fs::read_to_string(&conf).unwrap();
-    config += &format!("INDEX={}/%j.index\nINDEX_WAIT=2\n", shared.display());
-    fs::write(&conf, config).unwrap();
+    slurm.add_config(&format!(
+        "INDEX={}/%j.index\nINDEX_WAIT=2\n",
+        shared.display()
+    ));
     let (job, late) = (job_id(5), job_id(6));
     let mut guard = Guard::default();
     for j in [&job, &late] {
@@ -1038,6 +1055,185 @@ fn slurm_prolog_shares_one_listing_per_job() {
         assert!(out.status.success(), "epilog: {}", text(&out.stderr));
     }
     assert!(!index.exists(), "the job's index left behind");
+}
+
+/// Issue #30: with PEER_PORT, a job of several nodes gets `--peers` (every node of its list at
+/// PEER_PORT + job id % 1000), `--node` and a per-job secret derived from the site's PEER_KEY,
+/// written beside the cache and removed by the epilog; a key that is not root's 0600 file, or
+/// none at all, mounts without peers. The two "nodes" are 127.0.0.1 and 127.0.0.2.
+#[test]
+fn slurm_prolog_gives_a_job_of_several_nodes_its_peers() {
+    let list = "127.0.0.[1-2]";
+    let slurm = FakeSlurm::with_nodes("", list, &["127.0.0.1", "127.0.0.2"]);
+    let key = slurm.root().join("peer.key");
+    fs::write(&key, "the site's peer key, for this test only\n").unwrap();
+    fs::set_permissions(&key, fs::Permissions::from_mode(0o600)).unwrap();
+    let (job, shared_key, no_key) = (job_id(7), job_id(8), job_id(9));
+    // The job's port, free on both addresses; PEER_PORT is what gives it to this job.
+    let port = (0..100)
+        .find_map(|_| {
+            let one = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
+            let port = one.local_addr().ok()?.port();
+            std::net::TcpListener::bind(("127.0.0.2", port)).ok()?;
+            Some(port)
+        })
+        .expect("a port free on 127.0.0.1 and 127.0.0.2");
+    let base = port - (job.parse::<u64>().unwrap() % 1000) as u16;
+    slurm.add_config(&format!("PEER_PORT={base}\nPEER_KEY={}\n", key.display()));
+    let mut guard = Guard::default();
+    for j in [&job, &shared_key, &no_key] {
+        guard.mount(&slurm.mnt(j, 0));
+        guard.mount(&slurm.mnt(j, 1));
+    }
+    let source = slurm.source.to_str().unwrap().to_string();
+    // Node 0 knows its index (SLURM_NODEID); node 1 finds its name in the node list.
+    let node = |job: &str, n: u32| {
+        let mut vars = vec![
+            ("SLURM_JOB_ID", job.to_string()),
+            ("SLURM_JOB_NUM_NODES", "2".to_string()),
+            ("SLURM_GPUS_ON_NODE", "1".to_string()),
+            ("STAGEFS_SOURCE", source.clone()),
+        ];
+        if n == 0 {
+            vars.extend([
+                ("SLURM_NODEID", "0".to_string()),
+                ("SLURM_JOB_NODELIST", list.to_string()),
+            ]);
+        } else {
+            vars.extend([
+                ("SLURMD_NODENAME", format!("127.0.0.{}", n + 1)),
+                ("SLURM_NODELIST", list.to_string()),
+            ]);
+        }
+        vars
+    };
+    let run = |vars: Vec<(&str, String)>| {
+        let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let out = slurm.run("slurm-prolog.sh", &vars);
+        let said = text(&out.stderr);
+        assert!(
+            out.status.success() && said.contains("mounted"),
+            "prolog: {said}"
+        );
+        said
+    };
+    let peer_dir =
+        |job: &str, n: u32| PathBuf::from(format!("{}.peers", slurm.cache(job, n).display()));
+    // What the prolog derives: the SHA-256 (hex) of the key and the job id.
+    let secret_of = |job: &str| {
+        let mut input = fs::read(&key).unwrap();
+        input.extend(format!("stagefs peers, job {job}\n").bytes());
+        Sha256::digest(&input)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+
+    for n in 0..2 {
+        run(node(&job, n));
+    }
+    // Each node's secret lets it in at the other: copies go between them (node 1, started
+    // after node 0, stages its share of the next epoch from node 0), and none is refused.
+    let served = |n| {
+        stats_at(&slurm.mnt(&job, n))["served_files"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_until(DEADLINE, "a copy to go from one node to the other", || {
+        served(0) + served(1) > 0
+    });
+    assert_ne!(secret_of(&job), secret_of(&shared_key));
+    let peers = format!("127.0.0.1:{port},127.0.0.2:{port}");
+    let mut daemons = Vec::new();
+    for n in 0..2u32 {
+        let mnt = slurm.mnt(&job, n);
+        assert!(is_mounted(&mnt), "node {n} not mounted");
+        let pid = daemon_pid(&mnt);
+        let args = daemon_args(pid);
+        let secret = peer_dir(&job, n).join("secret");
+        for (flag, value) in [
+            ("--peers", peers.as_str()),
+            ("--node", &n.to_string()),
+            ("--peer-secret-file", secret.to_str().unwrap()),
+        ] {
+            assert!(
+                has_option(&args, flag, value),
+                "node {n}: no {flag} {value} in {args:?}"
+            );
+        }
+        let meta = fs::metadata(&secret).unwrap();
+        assert!(
+            meta.is_file(),
+            "node {n}: {} is not a file",
+            secret.display()
+        );
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o600, "node {n}");
+        // The same on both nodes (another job's differs: below).
+        let content = fs::read_to_string(&secret).unwrap();
+        assert_eq!(content.trim(), secret_of(&job), "node {n}'s secret");
+
+        let out = stagefs(&["stats", "--json", mnt.to_str().unwrap()]);
+        assert!(out.status.success(), "stats: {}", text(&out.stderr));
+        let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(stats["served_refused"], 0, "node {n}: {stats}");
+        for counter in ["peer_files", "served_files"] {
+            assert!(
+                stats.get(counter).is_some(),
+                "node {n}: no {counter} in {stats}"
+            );
+        }
+        let sample = "class001/img000001.jpg";
+        assert_eq!(
+            fs::read(mnt.join(sample)).unwrap(),
+            fs::read(slurm.source.join(sample)).unwrap()
+        );
+        daemons.push(pid);
+    }
+
+    // A key others can read, or none: the job is mounted all the same, without peers.
+    fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
+    let shared = run(node(&shared_key, 0));
+    fs::remove_file(&key).unwrap();
+    let missing = run(node(&no_key, 0));
+    for (j, said) in [(&shared_key, shared), (&no_key, missing)] {
+        assert!(
+            said.contains(&format!("peer key {} ", key.display())) && said.contains("peers off"),
+            "job {j}: {said}"
+        );
+        let args = daemon_args(daemon_pid(&slurm.mnt(j, 0)));
+        for flag in ["--peers", "--node", "--peer-secret-file"] {
+            assert!(
+                !args.iter().any(|a| a == flag),
+                "job {j}: {flag} in {args:?}"
+            );
+        }
+        assert!(
+            !peer_dir(j, 0).exists(),
+            "job {j}: a directory for no secret"
+        );
+    }
+
+    for j in [&job, &shared_key, &no_key] {
+        let out = slurm.run("slurm-epilog.sh", &[("SLURM_JOB_ID", j.as_str())]);
+        assert!(out.status.success(), "epilog: {}", text(&out.stderr));
+    }
+    for (n, pid) in (0..2u32).zip(daemons) {
+        assert!(!is_mounted(&slurm.mnt(&job, n)), "node {n} still mounted");
+        assert_daemon_exits(pid);
+        assert!(
+            !slurm.cache(&job, n).exists(),
+            "node {n}: cache left behind"
+        );
+        assert!(
+            !peer_dir(&job, n).exists(),
+            "node {n}: peer secret left behind"
+        );
+    }
+    assert_eq!(
+        fs::read_dir(slurm.root().join("state")).unwrap().count(),
+        0,
+        "state files left"
+    );
 }
 
 /// Writes an executable script.

@@ -29,8 +29,8 @@ const CONNECTIONS_PER_PEER: usize = 2;
 /// one timeout per copy worker every this often.
 const DOWN_FOR: Duration = Duration::from_secs(15);
 /// How long a peer that refused the connection is not asked: a node not started yet, or gone
-/// (its port closed), answers that at once, so it is tried again soon.
-const REFUSED_FOR: Duration = Duration::from_secs(1);
+/// (its port closed), answers that within a round trip, so it is tried again soon.
+const REFUSED_FOR: Duration = Duration::from_millis(100);
 
 /// What the fetching node knows of the file: the catalog's size and source identity.
 #[derive(Clone, Copy, Debug)]

@@ -36,6 +36,9 @@ struct Placed {
     order: Option<Arc<Order>>,
     placement: Option<Arc<Placement>>,
     readers: Vec<Arc<Readers>>,
+    /// The (generation, epoch) whose needs the core was told: once, so a need met (the peer
+    /// fetched the file) is not pinned again when the epoch is planned again.
+    told: Vec<(u64, u64)>,
 }
 
 /// A copy from a peer that did not come, as the cache sees it.
@@ -73,9 +76,23 @@ impl Peering {
                 order: Some(order.clone()),
                 placement: placement.ok().map(Arc::new),
                 readers: Vec::new(),
+                told: Vec::new(),
             };
         }
         placed.placement.clone()
+    }
+
+    /// Whether the needs of (`generation`, `epoch`) are to be told now: the first time only.
+    fn first_told(&self, generation: u64, epoch: u64) -> bool {
+        let mut placed = self.placed.lock();
+        if placed.told.contains(&(generation, epoch)) {
+            return false;
+        }
+        if placed.told.len() >= READERS_KEPT {
+            placed.told.remove(0);
+        }
+        placed.told.push((generation, epoch));
+        true
     }
 
     /// Who reads what in `epoch` under `generation`'s order, computed on first use.
@@ -123,6 +140,9 @@ impl Inner {
         };
         let id_space = self.catalog.len();
         for &epoch in epochs.iter().filter(|&&e| e > 0) {
+            if !peering.first_told(generation.id, epoch) {
+                continue;
+            }
             let (Some(held), Some(next)) = (
                 peering.readers(generation, epoch - 1, id_space),
                 peering.readers(generation, epoch, id_space),
@@ -256,12 +276,15 @@ impl Holder for Inner {
         };
         match state {
             FileState::Cached => match self.cache.open_for_peer(&self.catalog, file) {
-                Ok((file, size, sum, identity)) => Held::Copy {
-                    file,
-                    size,
-                    sum,
-                    identity,
-                },
+                Ok((copy, size, sum, identity)) => {
+                    self.core.lock().peer_fetched(file);
+                    Held::Copy {
+                        file: copy,
+                        size,
+                        sum,
+                        identity,
+                    }
+                }
                 Err(_) => Held::Gone,
             },
             FileState::Staging | FileState::Queued => Held::Later,

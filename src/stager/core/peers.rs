@@ -41,12 +41,26 @@ impl<R> Core<R> {
         for (file, pos) in needs {
             let need = self.peer_needs.by_file.entry(file).or_insert(pos);
             *need = (*need).min(pos);
-            if self.files.get(file) == FileState::Cached
-                && self.tracker.mode() == TrackerMode::Predicting
-            {
-                let next = self.next_need(file);
-                self.space.evict.needed_at(file, next);
-            }
+            self.rekey_cached(file);
+        }
+    }
+
+    /// A peer fetched `file` (its copy is open for the transfer): its need is met, and the copy
+    /// is ranked by this node's own next use from now on, so one not needed here again is the
+    /// first to go instead of crowding out the copies this node will read.
+    pub fn peer_fetched(&mut self, file: FileId) {
+        if self.peer_needs.by_file.remove(&file).is_some() {
+            self.rekey_cached(file);
+        }
+    }
+
+    /// Tells eviction when `file`'s copy is next needed, if it is cached and predicted.
+    fn rekey_cached(&mut self, file: FileId) {
+        if self.files.get(file) == FileState::Cached
+            && self.tracker.mode() == TrackerMode::Predicting
+        {
+            let next = self.next_need(file);
+            self.space.evict.needed_at(file, next);
         }
     }
 
@@ -76,12 +90,7 @@ impl<R> Core<R> {
             .collect();
         for file in expired {
             self.peer_needs.by_file.remove(&file);
-            if self.files.get(file) == FileState::Cached
-                && self.tracker.mode() == TrackerMode::Predicting
-            {
-                let next = self.next_need(file);
-                self.space.evict.needed_at(file, next);
-            }
+            self.rekey_cached(file);
         }
     }
 
