@@ -7,7 +7,7 @@
 //! stage from the job's other nodes and serves them this node's copies; [`control`] takes the
 //! running job's announcements. [`stats`] counts, [`daemon`] assembles a mount from a typed config and
 //! runs it, [`bench`] measures a mount against reading SOURCE directly and against copying
-//! first, [`cli`] parses the command line into it,
+//! first, [`sim`] simulates a job of many nodes with the real engine core, [`cli`] parses the command line into it,
 //! [`sys`] holds every raw Linux call behind a safe function (openat2 beneath a directory,
 //! mount IDs, pidfds, signals, credentials...),
 //! [`files`] the safe whole-file reads and atomic writes, [`input`] the user's text files;
@@ -15,7 +15,7 @@
 //!
 //! Imports go one way too, down these layers (bottom first; a module uses only those below it,
 //! which `tests/layering.rs` checks): `sys` < `files`, `input`, `slow_remote` (leaves) < `stats` < `catalog` <
-//! `order` < `plan` < `cache` < `peers` < `stager` < `fs` < `control` < `daemon` < `bench` < `cli`.
+//! `order` < `plan` < `cache` < `peers` < `stager` < `fs` < `control` < `daemon` < `bench` < `sim` < `cli`.
 //!
 //! The crate is a library so the fuzz targets and integration tests reach the parsers and the
 //! engine directly; the `stagefs` binary is a thin `main` over [`cli::run`].
@@ -34,6 +34,7 @@ pub mod input;
 pub mod order;
 pub mod peers;
 pub mod plan;
+pub mod sim;
 pub mod slow_remote;
 pub mod stager;
 pub mod stats;

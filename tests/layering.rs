@@ -18,6 +18,8 @@
 //!   epoch`), checked against the `catalog` and handed to the `stager`.
 //! - `daemon`: the mounted process around `fs` and `control`.
 //! - `bench`: a benchmark that mounts through `daemon` and reads as a job would.
+//! - `sim`: a simulation of a job of many nodes, on the `stager`'s core and the `peers`'
+//!   placement.
 //! - `cli`: the commands, wiring everything.
 //!
 //! The check reads the sources: every `crate::X` (in code or an intra-doc link) inside module M
@@ -42,6 +44,7 @@ const LAYERS: &[&str] = &[
     "control",
     "daemon",
     "bench",
+    "sim",
     "cli",
 ];
 

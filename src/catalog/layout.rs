@@ -201,8 +201,8 @@ impl Layout {
         Layout::of_files((0..n).collect())
     }
 
-    /// Sample i is `files[i]`: for engine tests that do not need a real tree.
-    #[cfg(test)]
+    /// Sample i is `files[i]`: for engine tests and the cluster simulation, which need no real
+    /// tree.
     pub fn of_files(files: Vec<FileId>) -> Layout {
         let mut members = FileSet::default();
         members.extend(files.iter().copied());

@@ -156,9 +156,8 @@ impl Catalog {
     }
 
     /// A catalog of one directory of files `f000000`, ... of `sizes` (`None`: not looked at
-    /// yet), without a file system.
-    #[cfg(test)]
-    pub(crate) fn flat(sizes: &[Option<u64>]) -> Catalog {
+    /// yet), without a file system: for engine tests and the cluster simulation (`sim`).
+    pub fn flat(sizes: &[Option<u64>]) -> Catalog {
         scan::flat(sizes)
     }
 

@@ -261,7 +261,6 @@ fn list_directory(
 
 /// A catalog of one directory holding files `f000000`, `f000001`, ... of `sizes` (`None`: not
 /// looked at yet), built without touching any file system (for the engine core's tests).
-#[cfg(test)]
 pub(crate) fn flat(sizes: &[Option<u64>]) -> Catalog {
     let files = (sizes.iter().enumerate())
         .map(|(i, &size)| Child {
@@ -280,7 +279,6 @@ pub(crate) fn flat(sizes: &[Option<u64>]) -> Catalog {
 }
 
 /// The attributes of a [`flat`] catalog's entries (a file's as its SOURCE shows them).
-#[cfg(test)]
 pub(crate) fn synthetic(kind: Kind, size: u64) -> Attributes {
     Attributes {
         kind,

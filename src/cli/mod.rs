@@ -9,6 +9,7 @@ mod feed_env;
 mod index_cmd;
 pub mod mount;
 mod order_cmd;
+mod sim_cmd;
 pub mod size;
 mod stats_cmd;
 mod unmount;
@@ -60,6 +61,10 @@ pub enum Command {
     /// Measure epochs on your dataset: read directly, through a stagefs mount, and after a
     /// local copy, and compare
     Bench(Box<bench_cmd::BenchArgs>),
+    /// Simulate a job of many nodes (the real engine core on a model of the file system and
+    /// network): file system load, peers, epochs and stalls, against reading directly and
+    /// copying first
+    Sim(Box<sim_cmd::SimArgs>),
 }
 
 /// How the job's sampler orders sample indices. Options left out take the loaders' defaults;
@@ -294,6 +299,7 @@ pub fn run() -> i32 {
         Command::FeedEnv(args) => feed_env::run(args),
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench_cmd::run(*args),
+        Command::Sim(args) => sim_cmd::run(*args),
     };
     match result {
         Ok(()) => 0,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::size::{LookaheadError, SizeError, parse_lookahead, parse_size};
+use super::size::{LookaheadError, SizeError, parse_duration, parse_lookahead, parse_size};
 use super::{LayoutArgs, SamplerArgs};
 use crate::daemon::{self, Capacity, MountConfig, defaults};
 use crate::order::{OrderError, SamplerKind};
@@ -123,25 +123,6 @@ pub struct MountArgs {
     /// Longest a fetch from a peer may take before the file is read from SOURCE, e.g. 2s, 500ms
     #[arg(long, value_name = "DURATION", default_value = "2s", help_heading = "Peers", value_parser = parse_duration)]
     pub peer_timeout: Duration,
-}
-
-/// A duration such as `2s`, `500ms` or `3` (seconds), between 1 ms and an hour.
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let (number, unit) = match text.strip_suffix("ms") {
-        Some(n) => (n, Duration::from_millis(1)),
-        None => (
-            text.strip_suffix('s').unwrap_or(text),
-            Duration::from_secs(1),
-        ),
-    };
-    let n: u32 = (number.trim().parse())
-        .map_err(|_| format!("{text:?} is not a duration; give e.g. 2s or 500ms"))?;
-    let duration = unit * n;
-    if duration < Duration::from_millis(1) || duration > Duration::from_secs(3600) {
-        return Err(format!("{text}: give between 1ms and 3600s"));
-    }
-    Ok(duration)
 }
 
 /// `--peers`, `--node` and `--peer-secret-file` as the daemon's settings.

@@ -18,7 +18,7 @@
 //! prediction is never an error to a reader.
 
 mod backoff;
-mod core;
+pub mod core;
 mod detection;
 mod eviction;
 mod open;

@@ -13,7 +13,7 @@ const OTHER: &str = "(other)";
 
 /// Which stream an open counted under (to count its miss under it too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum StreamSlot {
+pub enum StreamSlot {
     Predicted,
     Other(usize),
 }

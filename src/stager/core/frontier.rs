@@ -61,7 +61,7 @@ impl<R> Core<R> {
     }
 
     /// How far staging ahead has got, on the slowest lane's clock.
-    pub(super) fn frontier(&self) -> Position {
+    pub fn frontier(&self) -> Position {
         self.tracker.on_slowest_clock(self.soonest_frontier().1)
     }
 

@@ -41,6 +41,7 @@ use crate::catalog::{Catalog, FileId};
 use crate::plan::{Generation, Position, Tracker, TrackerMode};
 use crate::stats::{Counters, Gauges};
 
+pub use super::streams::StreamSlot;
 pub use copied::Origin;
 pub use opens::Miss;
 
