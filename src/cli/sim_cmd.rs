@@ -116,22 +116,22 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     ];
     if !args.json {
         println!(
-            "dataset: {} files, {:.1} GB; {} ranks per node; compute {} ms per batch of {}",
+            "dataset: {} files, {}; {} ranks per node; compute {} ms per batch of {}",
             args.files,
-            total as f64 / 1e9,
+            bytes(total as f64),
             args.ranks_per_node,
             args.compute_ms,
             args.batch_size
         );
         println!(
-            "{:>6} {:<14} {:>5} {:>9} {:>10} {:>11} {:>10} {:>6} {:>8}",
+            "{:>6} {:<14} {:>5} {:>9} {:>11} {:>11} {:>11} {:>6} {:>8}",
             "nodes",
             "method",
             "epoch",
             "seconds",
-            "PFS GB",
+            "PFS bytes",
             "PFS opens",
-            "peer GB",
+            "peer bytes",
             "hits",
             "stall s"
         );
@@ -180,12 +180,24 @@ fn print_row(nodes: u32, r: &EpochRow, json: bool) {
         .hit_ratio
         .map_or_else(|| "-".to_string(), |h| format!("{h:.3}"));
     println!(
-        "{nodes:>6} {:<14} {epoch:>5} {:>9.1} {:>10.1} {:>11.0} {:>10.1} {hits:>6} {:>8.1}",
+        "{nodes:>6} {:<14} {epoch:>5} {:>9.2} {:>11} {:>11.0} {:>11} {hits:>6} {:>8.2}",
         r.method.name(),
         r.seconds,
-        r.pfs_bytes / 1e9,
+        bytes(r.pfs_bytes),
         r.pfs_opens,
-        r.peer_bytes / 1e9,
+        bytes(r.peer_bytes),
         r.stall_seconds
     );
+}
+
+/// Bytes in decimal units: a table of 1 to 1,000 nodes spans megabytes to petabytes.
+fn bytes(n: f64) -> String {
+    const UNITS: [&str; 6] = ["B", "kB", "MB", "GB", "TB", "PB"];
+    let mut value = n;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }

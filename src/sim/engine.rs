@@ -28,12 +28,11 @@ enum Event {
     Tick,
 }
 
-/// Node 0's reader: where it is and since when it waits.
+/// Node 0's reader: where it is in its stream.
 struct Reader {
     epoch: u64,
     offset: u64,
     plan: Arc<EpochPlan>,
-    waiting_since: Option<u64>,
     done: bool,
 }
 
@@ -134,7 +133,6 @@ impl<'a> Sim<'a> {
             epoch: 0,
             offset: 0,
             plan: plan.epoch(&generation, 0),
-            waiting_since: None,
             done: false,
         };
         let mut sim = Sim {
@@ -235,7 +233,8 @@ impl<'a> Sim<'a> {
             self.at(self.now + self.compute_per_file, Event::Reader);
         } else {
             match self.core.miss(file, slot, (), now, &mut effects) {
-                Miss::Waiting => self.reader.waiting_since = Some(self.now),
+                // Answered when the copy is done (`apply`).
+                Miss::Waiting => {}
                 Miss::ReadThrough(()) => self.answered(Answer::FromSource(file)),
             }
         }
@@ -243,15 +242,15 @@ impl<'a> Sim<'a> {
     }
 
     /// The reader's open was answered: it goes on, after reading SOURCE itself if told to.
+    /// The core counted the wait for the copy; a read from SOURCE after it is waited for too.
     fn answered(&mut self, answer: Answer) {
-        let since = self.reader.waiting_since.take().unwrap_or(self.now);
         let mut ready = self.now;
         if let Answer::FromSource(file) = answer {
             let size = self.setup.size(file);
             self.read_through += size;
             ready += self.source_time(size, 1);
+            Counters::add(&self.counters.stall_nanos, ready - self.now);
         }
-        Counters::add(&self.counters.stall_nanos, ready - since);
         self.at(ready + self.compute_per_file, Event::Reader);
     }
 
