@@ -318,7 +318,19 @@ job_peers() {
     warn "job $SLURM_JOB_ID: scontrol expanded the node list '$list' to nothing; peers off"
     return 0
   }
-  local dir="$cache.peers"
+  local dir="$cache.peers" parent
+  # Beside the cache, in a directory nobody else could swap it in (root's or the job's user's,
+  # and writable by no one else unless sticky, as /tmp is).
+  parent=$(stat -c %u:%a -- "$(dirname -- "$cache")") || parent=""
+  case $parent in
+    0:* | "$job_uid":*) ;;
+    *) parent="" ;;
+  esac
+  local mode=${parent#*:}
+  if [ -z "$parent" ] || (((8#$mode & 8#022) != 0 && (8#$mode & 8#1000) == 0)); then
+    warn "job $SLURM_JOB_ID: the directory of $cache could be changed by other users; peers off"
+    return 0
+  fi
   # One a killed run of this prolog made is taken again: the job's user's own, private.
   if ! { [ -d "$dir" ] && [ ! -L "$dir" ] && [ "$(stat -c %u:%a -- "$dir")" = "$job_uid:700" ]; } &&
     { [ -e "$dir" ] || [ -L "$dir" ] || ! new_dir "$dir" 0700; }; then

@@ -13,7 +13,7 @@ use super::size::{LookaheadError, SizeError, parse_duration, parse_lookahead, pa
 use super::{LayoutArgs, SamplerArgs};
 use crate::daemon::{self, Capacity, MountConfig, defaults};
 use crate::order::{OrderError, SamplerKind};
-use crate::peers::{PeerError, PeerSettings, SecretError, Token};
+use crate::peers::{Key, PeerError, PeerSettings, SecretError};
 use crate::stager::EvictionKind;
 
 #[derive(Args, Debug, Clone)]
@@ -134,7 +134,7 @@ fn peer_settings(args: &MountArgs) -> Result<Option<PeerSettings>, MountArgsErro
     Ok(Some(PeerSettings {
         addrs: crate::peers::resolve(peers, node)?,
         node,
-        token: Token::read(secret, crate::sys::euid())?,
+        key: Key::read(secret, crate::sys::euid())?,
         timeout: args.peer_timeout,
     }))
 }

@@ -1,8 +1,9 @@
 //! Fetching a copy from the node that holds it: a few HTTP/2 connections per peer, made on
-//! first use and again after one breaks, every request multiplexed on them. What comes back is
-//! checked before it is kept: the size and source identity the holder states must be the
-//! catalog's, and the bytes must hash to the checksum the holder recorded when it staged the
-//! file. A peer that did not answer in time is left alone for [`DOWN_FOR`], so a stopped node
+//! first use and again after one breaks (each starting with the server's challenge, see
+//! [`super::auth`]), every request multiplexed on them. What comes back is checked before it is
+//! kept: the answer must be sealed for this request with the job's key, the size and source
+//! identity it states must be the catalog's, and the bytes must hash to the checksum the holder
+//! recorded when it staged the file. A peer that did not answer in time is left alone for [`DOWN_FOR`], so a stopped node
 //! costs one timeout per worker, not one per file; one that could not be reached, for
 //! [`REFUSED_FOR`].
 
@@ -19,8 +20,9 @@ use hyper::{Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use xxhash_rust::xxh3::Xxh3;
 
-use super::server::{HELD_HEADER, IDENTITY_HEADER, SIZE_HEADER, SUM_HEADER, TOKEN_HEADER};
-use super::{Fallback, FetchError, PeerSettings, encode_path};
+use super::auth::{self, CHALLENGE_HEADER, PROOF_HEADER, SEAL_HEADER, SEQ_HEADER};
+use super::server::said_by;
+use super::{Fallback, FetchError, Key, PeerSettings, encode_path};
 
 /// Connections kept to each peer: requests are multiplexed on each, and two spread the load of
 /// one connection's flow control and framing over two server threads.
@@ -39,18 +41,25 @@ pub struct Expected {
     pub identity: u64,
 }
 
-type Sender = SendRequest<Empty<Bytes>>;
+/// One connection: where to send requests, the server's challenge, and the last request's
+/// number.
+#[derive(Clone)]
+struct Connection {
+    sender: SendRequest<Empty<Bytes>>,
+    challenge: std::sync::Arc<str>,
+    seq: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
 
 struct Link {
     addr: SocketAddr,
-    connections: tokio::sync::Mutex<Vec<Option<Sender>>>,
+    connections: tokio::sync::Mutex<Vec<Option<Connection>>>,
     next: AtomicUsize,
     down_until: parking_lot::Mutex<Option<Instant>>,
 }
 
 pub struct Client {
     links: Vec<Link>,
-    token: String,
+    key: Key,
     timeout: Duration,
 }
 
@@ -65,7 +74,7 @@ impl Client {
                     down_until: parking_lot::Mutex::new(None),
                 })
                 .collect(),
-            token: settings.token.as_str().to_string(),
+            key: settings.key.clone(),
             timeout: settings.timeout,
         }
     }
@@ -108,35 +117,34 @@ impl Client {
         sink: &mut dyn Write,
     ) -> Result<(u64, u128), FetchError> {
         let unreachable = FetchError::Failed(Fallback::Unreachable);
-        let mut sender = self.sender(link).await.ok_or(unreachable)?;
-        let request = Request::get(format!("http://{}{}", link.addr, encode_path(relative)))
-            .header(TOKEN_HEADER, &self.token)
+        let mut connection = self.connection(link).await.ok_or(unreachable)?;
+        let path = encode_path(relative);
+        let asked = auth::Request {
+            challenge: &connection.challenge,
+            seq: connection.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            path: &path,
+        };
+        let request = Request::get(format!("http://{}{path}", link.addr))
+            .header(SEQ_HEADER, asked.seq)
+            .header(PROOF_HEADER, asked.proof(&self.key))
             .body(Empty::new())
             .map_err(|_| FetchError::Failed(Fallback::NotHeld))?;
-        let response = (sender.send_request(request).await)
+        let response = (connection.sender.send_request(request).await)
             .map_err(|_| FetchError::Failed(Fallback::Unreachable))?;
-        match response.status() {
-            StatusCode::OK => {}
-            StatusCode::FORBIDDEN => return Err(FetchError::Failed(Fallback::Refused)),
-            StatusCode::NOT_FOUND
-                if response.headers().get(HELD_HEADER).map(|v| v.as_bytes()) == Some(b"later") =>
-            {
-                return Err(FetchError::Later);
-            }
+        let said = said_by(&response);
+        let seal = response.headers().get(SEAL_HEADER).map(|v| v.as_bytes());
+        // Not sealed for this request with the job's key: not one of the job's nodes (a
+        // process squatting the address), or a refusal.
+        if !seal.is_some_and(|seal| asked.is_sealed(&self.key, &said, seal)) {
+            return Err(FetchError::Failed(Fallback::Refused));
+        }
+        match (response.status(), said.held) {
+            (StatusCode::OK, _) => {}
+            (StatusCode::NOT_FOUND, "later") => return Err(FetchError::Later),
             _ => return Err(FetchError::Failed(Fallback::NotHeld)),
         }
-        let header = |name: &str| {
-            (response.headers().get(name))
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
-        let size = header(SIZE_HEADER).and_then(|v| v.parse::<u64>().ok());
-        let identity = header(IDENTITY_HEADER).and_then(|v| v.parse::<u64>().ok());
-        let sum = header(SUM_HEADER).and_then(|v| u128::from_str_radix(&v, 16).ok());
-        let (Some(size), Some(identity), Some(sum)) = (size, identity, sum) else {
-            return Err(FetchError::Failed(Fallback::Corrupt));
-        };
-        if size != expected.size || identity != expected.identity {
+        let (size, sum) = (said.size, said.sum);
+        if size != expected.size || said.identity != expected.identity {
             return Err(FetchError::Failed(Fallback::Stale));
         }
         let mut body = response.into_body();
@@ -160,28 +168,41 @@ impl Client {
         Ok((received, sum))
     }
 
-    /// A ready connection to `link`, made if none is: one of [`CONNECTIONS_PER_PEER`], in
-    /// turn.
-    async fn sender(&self, link: &Link) -> Option<Sender> {
+    /// A ready connection to `link`, made (with its challenge) if none is: one of
+    /// [`CONNECTIONS_PER_PEER`], in turn.
+    async fn connection(&self, link: &Link) -> Option<Connection> {
         let slot = link.next.fetch_add(1, Ordering::Relaxed) % CONNECTIONS_PER_PEER;
         let mut connections = link.connections.lock().await;
-        if let Some(sender) = &connections[slot]
-            && !sender.is_closed()
+        if let Some(connection) = &connections[slot]
+            && !connection.sender.is_closed()
         {
-            return Some(sender.clone());
+            return Some(connection.clone());
         }
         connections[slot] = None;
         let stream = tokio::net::TcpStream::connect(link.addr).await.ok()?;
         let _ = stream.set_nodelay(true);
-        let (sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .keep_alive_interval(Some(Duration::from_secs(20)))
-            .keep_alive_timeout(Duration::from_secs(20))
-            .handshake(TokioIo::new(stream))
-            .await
-            .ok()?;
+        let (mut sender, connection) =
+            hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .keep_alive_interval(Some(Duration::from_secs(20)))
+                .keep_alive_timeout(Duration::from_secs(20))
+                .handshake(TokioIo::new(stream))
+                .await
+                .ok()?;
         tokio::spawn(connection);
-        connections[slot] = Some(sender.clone());
-        Some(sender)
+        let hello = Request::get(format!("http://{}/hello", link.addr))
+            .body(Empty::new())
+            .ok()?;
+        let answer = sender.send_request(hello).await.ok()?;
+        let challenge = (answer.headers().get(CHALLENGE_HEADER))
+            .and_then(|v| v.to_str().ok())
+            .filter(|c| c.len() == 32)?;
+        let connection = Connection {
+            challenge: challenge.into(),
+            sender,
+            seq: Default::default(),
+        };
+        connections[slot] = Some(connection.clone());
+        Some(connection)
     }
 }

@@ -8,16 +8,19 @@
 //!
 //! The wire is HTTP/2 over TCP (hyper on tokio): many requests multiplexed on a few
 //! connections per peer, flow control bounding what is in flight, one request per file:
-//! `GET /copy/<hex of the relative path>` with the job's token. The answer carries the copy's
-//! size, the source file's identity and the checksum the holder recorded when it staged it; the
-//! fetching node checks all three ([`client`]) and writes the bytes into its cache exactly as a
-//! copy from SOURCE (temporary file, checksum attribute, rename). Anything that does not check
+//! `GET /copy/<hex of the relative path>`, proved with the job's key and answered sealed with
+//! it ([`auth`]: the key never travels). The answer carries the copy's size, the source file's
+//! identity and the checksum the holder recorded when it staged it; the fetching node checks
+//! all three ([`client`]) and writes the bytes into its cache exactly as a copy from SOURCE
+//! (temporary file, checksum attribute, rename). Anything that does not check
 //! out, does not come in time, or is refused falls back to SOURCE and is counted by cause
 //! ([`Fallback`]): a peer is an optimisation, never a new way to fail.
 //!
 //! Trust: a daemon answers only connections from the addresses in `--peers`, only requests
-//! with the job's secret, only with files of its own catalog of SOURCE ([`server`]).
+//! proved with the job's secret, only with files of its own catalog of SOURCE ([`server`]);
+//! every node holding the secret is trusted to serve true copies.
 
+mod auth;
 mod body;
 mod client;
 mod placement;
@@ -36,7 +39,7 @@ use crate::stats::Counters;
 
 pub use client::Expected;
 pub use placement::{Placement, PlacementError, Readers};
-pub use secret::{SecretError, Token};
+pub use secret::{Key, SecretError};
 
 /// The peers of a mount, as configured.
 #[derive(Clone, Debug)]
@@ -45,7 +48,7 @@ pub struct PeerSettings {
     pub addrs: Vec<SocketAddr>,
     /// This node's index in `addrs`.
     pub node: usize,
-    pub token: Token,
+    pub key: Key,
     /// Longest a fetch from a peer may take before the file is read from SOURCE.
     pub timeout: Duration,
 }
@@ -56,6 +59,8 @@ pub enum PeerError {
         "--peers: {0:?} is not an address:port; list the job's nodes as HOST:PORT,HOST:PORT,..."
     )]
     Address(String),
+    #[error("--peers: {0} is not an address other nodes can reach (a wildcard address, or port 0)")]
+    Unreachable(SocketAddr),
     #[error("--peers lists no node; list the job's nodes as HOST:PORT,HOST:PORT,...")]
     NoAddress,
     #[error("--node {node} is not in --peers (it lists {count} nodes, numbered from 0)")]
@@ -86,6 +91,9 @@ pub fn resolve(peers: &str, node: usize) -> Result<Vec<SocketAddr>, PeerError> {
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| PeerError::Address(part.to_string()))?;
+        if addr.ip().is_unspecified() || addr.port() == 0 {
+            return Err(PeerError::Unreachable(addr));
+        }
         if addrs.contains(&addr) {
             return Err(PeerError::Duplicate(addr));
         }
@@ -193,7 +201,7 @@ impl Peers {
             .map_err(|source| PeerError::Bind { addr, source })?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .max_blocking_threads(server::CONCURRENT_READS + 4)
+            .max_blocking_threads(server::TRANSFERS + 4)
             .thread_name("peers")
             .enable_all()
             .build()

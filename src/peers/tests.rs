@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_128;
 
+use super::auth;
+use super::server;
 use super::*;
 use crate::catalog::Layout;
 use crate::order::{SamplerConfig, SamplerKind};
@@ -93,7 +95,7 @@ fn two_nodes(holder: &Arc<FakeHolder>, secrets: [&[u8]; 2], timeout: Duration) -
         let settings = PeerSettings {
             addrs: addrs.clone(),
             node,
-            token: Token::of(secrets[node]),
+            key: Key::of(secrets[node]),
             timeout,
         };
         Peers::new(settings, Arc::new(Counters::default())).unwrap()
@@ -236,7 +238,7 @@ fn a_dead_or_silent_peer_costs_at_most_the_timeout() {
         let settings = PeerSettings {
             addrs: vec![free_port(), addr],
             node: 0,
-            token: Token::of(SECRET),
+            key: Key::of(SECRET),
             timeout: Duration::from_millis(300),
         };
         let peers = Peers::new(settings, Arc::new(Counters::default())).unwrap();
@@ -302,7 +304,7 @@ fn peers_are_listed_once_with_this_node_among_them() {
 }
 
 #[test]
-fn secrets_are_private_files_compared_whole() {
+fn secrets_are_private_regular_files() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("secret");
     std::fs::write(&path, "0123456789abcdef0123\n").unwrap();
@@ -310,27 +312,146 @@ fn secrets_are_private_files_compared_whole() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
     assert!(matches!(
-        Token::read(&path, uid),
+        Key::read(&path, uid),
         Err(SecretError::Shared { .. })
     ));
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let token = Token::read(&path, uid).unwrap();
-    assert_eq!(token, Token::of(b"0123456789abcdef0123"));
-    assert!(token.matches(token.as_str().as_bytes()));
-    assert!(!token.matches(Token::of(b"another secret!!!").as_str().as_bytes()));
-    assert!(!token.matches(b""));
+    assert_eq!(
+        Key::read(&path, uid).unwrap(),
+        Key::of(b"0123456789abcdef0123")
+    );
     assert!(matches!(
-        Token::read(&path, uid + 1),
+        Key::read(&path, uid + 1),
         Err(SecretError::NotOwned { .. })
     ));
     std::fs::write(&path, "short").unwrap();
-    assert!(matches!(
-        Token::read(&path, uid),
-        Err(SecretError::Length(_))
-    ));
+    assert!(matches!(Key::read(&path, uid), Err(SecretError::Length(_))));
     let link = dir.path().join("link");
     std::os::unix::fs::symlink(&path, &link).unwrap();
-    assert!(matches!(Token::read(&link, uid), Err(SecretError::Io(..))));
+    assert!(matches!(Key::read(&link, uid), Err(SecretError::Io(..))));
+    // A FIFO is refused at once, not waited on for a writer.
+    let fifo = dir.path().join("fifo");
+    let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    assert!(matches!(
+        Key::read(&fifo, uid),
+        Err(SecretError::NotAFile(_))
+    ));
+}
+
+#[test]
+fn a_proof_is_good_for_its_own_request_only() {
+    let key = Key::of(SECRET);
+    let asked = auth::Request {
+        challenge: "00112233445566778899aabbccddeeff",
+        seq: 7,
+        path: "/copy/6162",
+    };
+    let proof = asked.proof(&key);
+    assert!(asked.is_proved_by(&key, proof.as_bytes()));
+    // Another key, challenge (another connection), number or path: no.
+    assert!(!asked.is_proved_by(&Key::of(b"another job's secret!!"), proof.as_bytes()));
+    for other in [
+        auth::Request {
+            challenge: "ffeeddccbbaa99887766554433221100",
+            ..asked
+        },
+        auth::Request { seq: 8, ..asked },
+        auth::Request {
+            path: "/copy/6163",
+            ..asked
+        },
+    ] {
+        assert!(!other.is_proved_by(&key, proof.as_bytes()));
+    }
+    assert!(!asked.is_proved_by(&key, b"not hex"));
+    // An answer's seal covers what it says.
+    let said = auth::Answer {
+        status: 200,
+        held: "",
+        size: 10,
+        identity: 3,
+        sum: 99,
+    };
+    let seal = asked.seal(&key, &said);
+    assert!(asked.is_sealed(&key, &said, seal.as_bytes()));
+    assert!(!asked.is_sealed(&key, &auth::Answer { sum: 98, ..said }, seal.as_bytes()));
+    assert!(!asked.is_sealed(
+        &key,
+        &auth::Answer {
+            held: "later",
+            ..said
+        },
+        seal.as_bytes()
+    ));
+}
+
+#[test]
+fn each_request_number_is_taken_once() {
+    let mut replays = auth::Replays::default();
+    assert!(!replays.take(0));
+    for seq in [1, 3, 2, 5, 4, 2000, 1990, 1500] {
+        assert!(replays.take(seq), "{seq}");
+        assert!(!replays.take(seq), "{seq} again");
+    }
+    // Too far below the highest to tell: refused.
+    assert!(!replays.take(900));
+    assert!(replays.take(1_000_000));
+    assert!(!replays.take(2000));
+}
+
+/// A process squatting a peer's address: it answers every request with `bytes` and the
+/// headers of a good copy (a checksum of its own bytes), without the job's key.
+fn squatter(bytes: &'static [u8]) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let service = hyper::service::service_fn(move |_request| async move {
+                    let mut answer = hyper::Response::new(http_body_util::Full::new(
+                        bytes::Bytes::from_static(bytes),
+                    ));
+                    let headers = answer.headers_mut();
+                    headers.insert(server::SIZE_HEADER, bytes.len().into());
+                    headers.insert(server::IDENTITY_HEADER, 1.into());
+                    let sum = format!("{:032x}", xxh3_128(bytes));
+                    headers.insert(server::SUM_HEADER, sum.parse().unwrap());
+                    headers.insert(auth::CHALLENGE_HEADER, "0".repeat(32).parse().unwrap());
+                    headers.insert(auth::SEAL_HEADER, "0".repeat(64).parse().unwrap());
+                    Ok::<_, std::convert::Infallible>(answer)
+                });
+                let executor = hyper_util::rt::TokioExecutor::new();
+                tokio::spawn(
+                    hyper::server::conn::http2::Builder::new(executor)
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+                );
+            }
+        });
+    });
+    addr
+}
+
+#[test]
+fn bytes_from_a_process_squatting_a_peers_address_are_not_taken() {
+    let bytes: &'static [u8] = b"poison that passes a checksum of its own";
+    let settings = PeerSettings {
+        addrs: vec![free_port(), squatter(bytes)],
+        node: 0,
+        key: Key::of(SECRET),
+        timeout: Duration::from_secs(5),
+    };
+    let peers = Peers::new(settings, Arc::new(Counters::default())).unwrap();
+    assert!(matches!(
+        fetch(&peers, "x", bytes.len() as u64, 1),
+        Err(FetchError::Failed(Fallback::Refused))
+    ));
+    assert_eq!(Counters::get(&peers.counters.peer_files), 0);
 }
 
 fn distributed(world: u32, ranks: Vec<u32>, n: u32) -> Order {
