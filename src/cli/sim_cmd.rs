@@ -19,7 +19,7 @@ pub struct SimArgs {
     /// Ranks (GPUs) per node
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub ranks_per_node: u32,
-    /// Files in the dataset [default: ImageNet-1k's 1,281,167]
+    /// Files in the dataset (the default is ImageNet-1k's training set)
     #[arg(long, default_value_t = IMAGENET_FILES, value_parser = clap::value_parser!(u32).range(1..))]
     pub files: u32,
     /// Mean file size; sizes spread uniformly by --size-spread around it
@@ -31,6 +31,7 @@ pub struct SimArgs {
     /// The DistributedSampler's seed
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Epochs to simulate
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
     pub epochs: u64,
     /// Cache per node [default: twice the node's share of the dataset]
@@ -39,6 +40,7 @@ pub struct SimArgs {
     /// Compute per batch of each rank, in milliseconds
     #[arg(long, default_value_t = 100.0)]
     pub compute_ms: f64,
+    /// Samples per batch of each rank
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub batch_size: u32,
     /// DataLoader workers per rank (files each rank reads at once, reading directly)
