@@ -997,7 +997,7 @@ fn a_client_without_the_secret_or_outside_the_catalog_gets_nothing() {
     assert_eq!(a.status, 403, "a path that is not hex: {}", a.headers);
     let refused = job.counters(0).since(&before).served_refused;
     assert!(
-        refused >= asked + 1,
+        refused > asked,
         "{} requests were refused, served_refused counted {refused}",
         asked + 1
     );

@@ -92,6 +92,25 @@ pub fn parse_lookahead(input: &str) -> Result<Lookahead, LookaheadError> {
         .map_err(|_| LookaheadError::Neither(input.to_string()))
 }
 
+/// A duration such as `2s`, `500ms` or `3` (seconds), between 1 ms and an hour.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit) = match text.strip_suffix("ms") {
+        Some(n) => (n, Duration::from_millis(1)),
+        None => (
+            text.strip_suffix('s').unwrap_or(text),
+            Duration::from_secs(1),
+        ),
+    };
+    let n: u32 = (number.trim().parse())
+        .map_err(|_| format!("{text:?} is not a duration; give e.g. 2s or 500ms"))?;
+    let duration = unit * n;
+    if duration < Duration::from_millis(1) || duration > Duration::from_secs(3600) {
+        return Err(format!("{text}: give between 1ms and 3600s"));
+    }
+    Ok(duration)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,23 +158,4 @@ mod tests {
         assert_eq!(parse_lookahead("20G"), Ok(Lookahead::Bytes(20 << 30)));
         assert!(parse_lookahead("lots").is_err());
     }
-}
-
-/// A duration such as `2s`, `500ms` or `3` (seconds), between 1 ms and an hour.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let (number, unit) = match text.strip_suffix("ms") {
-        Some(n) => (n, Duration::from_millis(1)),
-        None => (
-            text.strip_suffix('s').unwrap_or(text),
-            Duration::from_secs(1),
-        ),
-    };
-    let n: u32 = (number.trim().parse())
-        .map_err(|_| format!("{text:?} is not a duration; give e.g. 2s or 500ms"))?;
-    let duration = unit * n;
-    if duration < Duration::from_millis(1) || duration > Duration::from_secs(3600) {
-        return Err(format!("{text}: give between 1ms and 3600s"));
-    }
-    Ok(duration)
 }

@@ -295,15 +295,12 @@ impl Drop for Peers {
 
 /// The relative path of a request: `/copy/<hex>`, decoded; only normal components.
 fn decode_path(hex: &str) -> Option<PathBuf> {
-    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * 4096 {
+    if hex.is_empty() || hex.len() > 2 * 4096 {
         return None;
     }
-    let bytes: Option<Vec<u8>> = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
-        .collect();
+    let bytes = secret::decode_hex(hex.as_bytes())?;
     let path =
-        PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes?));
+        PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(bytes));
     let normal = path
         .components()
         .all(|c| matches!(c, std::path::Component::Normal(_)));

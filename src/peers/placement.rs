@@ -77,7 +77,7 @@ impl Placement {
             return Err(PlacementError::NotDistributed);
         }
         let world = sampler.world_size;
-        if nodes == 0 || world as usize % nodes != 0 {
+        if nodes == 0 || !(world as usize).is_multiple_of(nodes) {
             return Err(PlacementError::World { world, nodes });
         }
         let ranks_per_node = world / nodes as u32;

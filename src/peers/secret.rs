@@ -119,7 +119,7 @@ impl Key {
 
 /// The bytes of lowercase or uppercase hex, if it is hex.
 pub fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     hex.chunks(2)
