@@ -98,6 +98,18 @@ fn counters(s: &Snapshot) -> Vec<Row> {
             s.peer_fallbacks as f64,
         ),
         (
+            "stagefs_peer_deferrals_total",
+            "counter",
+            "Copies put off until the peer holding them had them.",
+            s.peer_deferrals as f64,
+        ),
+        (
+            "stagefs_served_files_total",
+            "counter",
+            "Files this node sent the job's other nodes.",
+            s.served_files as f64,
+        ),
+        (
             "stagefs_served_bytes_total",
             "counter",
             "Bytes this node sent the job's other nodes.",
