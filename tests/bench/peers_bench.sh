@@ -62,8 +62,12 @@ peers=$(for i in $(seq 0 $((NODES - 1))); do printf '127.0.0.1:%s,' $((BASE_PORT
 
 # Sums KEY over the nodes' statistics.
 summed() {
-  for i in $(seq 0 $((NODES - 1))); do "$STAGEFS" stats --json "$WORK/m$i"; done |
-    /usr/bin/python3 -c "import json, sys; print(sum(json.loads(l)['$1'] for l in sys.stdin))"
+  local sum=0 i
+  for i in $(seq 0 $((NODES - 1))); do
+    sum=$((sum + $("$STAGEFS" stats --json "$WORK/m$i" |
+      /usr/bin/python3 -c "import json, sys; print(json.load(sys.stdin)['$1'])")))
+  done
+  echo "$sum"
 }
 
 # Mounts the four nodes (with peers if $1 is "peers"), reads EPOCHS epochs, prints a line each.
