@@ -605,8 +605,6 @@ fn four_nodes_read_epochs_1_and_2_from_peers() {
         total.line()
     );
 
-    compare_with_simulation(&data, &measured);
-
     // The counters are attributes of the mount root too, and `stagefs stats` has them.
     let mnt = &job.nodes[0].mnt;
     for key in [
@@ -642,6 +640,48 @@ fn four_nodes_read_epochs_1_and_2_from_peers() {
         "stagefs stats shows nothing of the peers:\n{}",
         text(&out.stdout)
     );
+    drop(job);
+    let cpu = one_node_costs(&data, &work.path().join("one"));
+    compare_with_simulation(&data, &measured, cpu);
+}
+
+/// What reading costs this host's processors, measured on one node alone (one mount, one
+/// reader, the same data), as the processor time the whole host spent (/proc/stat: the reader,
+/// the daemon, the slow remote, the kernel): per file read from the cache (the all-hits epoch
+/// 1), and per copy (epoch 0's, less its reads). Seconds each.
+fn one_node_costs(data: &Data, work: &Path) -> (f64, f64) {
+    fs::create_dir_all(work).unwrap();
+    let job = Job::with_one_secret(data, work, 1, &[]);
+    let files = f64::from(FILES);
+    let mut busy = Vec::new();
+    for epoch in 0..2 {
+        let before = host_busy_seconds();
+        job.read_epoch(epoch, &[0], None);
+        busy.push(host_busy_seconds() - before);
+    }
+    let read = busy[1] / files;
+    let copy = (busy[0] / files - read).max(0.0);
+    eprintln!(
+        "one node: processor time epoch 0 {:.2} s, epoch 1 (all hits) {:.2} s: {:.0} us a read, {:.0} us a copy",
+        busy[0],
+        busy[1],
+        read * 1e6,
+        copy * 1e6
+    );
+    (read, copy)
+}
+
+/// Processor seconds the host has spent busy since it booted (every core, /proc/stat).
+fn host_busy_seconds() -> f64 {
+    let stat = fs::read_to_string("/proc/stat").unwrap();
+    let cpu: Vec<f64> = (stat.lines().next().unwrap().split_whitespace().skip(1))
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal: all but idle and iowait.
+    let busy: f64 = cpu[..8].iter().sum::<f64>() - cpu[3] - cpu[4];
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    busy / ticks
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -849,12 +889,13 @@ fn curl_has_http2() -> bool {
 
 /// `stagefs sim` of the four-node job just measured (`measured`: per epoch, seconds, SOURCE
 /// bytes and peer bytes of all nodes): the file system as the slow remote is (a lookup and an
-/// open per cold file, each `LATENCY`; local bandwidth), the reader's cost per file taken from
-/// the measured all-hits epoch 2. Printed side by side; the bytes from SOURCE must agree within
-/// 5% of the dataset (epoch 0, and epochs 1-2 together). The times are printed only: this
-/// machine's are too noisy to assert (docs/simulation.md has runs).
-fn compare_with_simulation(data: &Data, measured: &[(f64, u64, u64)]) {
-    let per_file_ms = measured[2].0 * 1e3 / f64::from(FILES / 4);
+/// open per cold file, each `LATENCY`; local bandwidth), the host's cores shared by the four
+/// nodes, and what a read and a copy cost them (`cpu`, measured on one node). Printed side by
+/// side; the bytes from SOURCE must agree within 5% of the dataset (epoch 0, and epochs 1-2
+/// together). The times are printed only: this machine's are too noisy to assert
+/// (docs/simulation.md has runs).
+fn compare_with_simulation(data: &Data, measured: &[(f64, u64, u64)], (read, copy): (f64, f64)) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let mean = (MIN_SIZE + MAX_SIZE) / 2;
     let spread = (MAX_SIZE - MIN_SIZE) as f64 / (MAX_SIZE + MIN_SIZE) as f64;
     let args = [
@@ -868,8 +909,11 @@ fn compare_with_simulation(data: &Data, measured: &[(f64, u64, u64)]) {
         "--seed=0".into(),
         "--epochs=3".into(),
         format!("--cache-size={}", 2 * data.total / 4),
-        format!("--compute-ms={per_file_ms}"),
+        "--compute-ms=0".into(),
         "--batch-size=1".into(),
+        format!("--cores={}", cores / 4.0),
+        format!("--read-cpu-us={}", read * 1e6),
+        format!("--copy-cpu-us={}", copy * 1e6),
         "--workers=1".into(),
         format!("--pfs-latency-ms={}", 2 * LATENCY.as_millis()),
         "--pfs-bandwidth=2G".into(),

@@ -5,7 +5,7 @@ use clap::Args;
 use serde_json::json;
 
 use super::size::parse_size;
-use crate::sim::{self, EpochRow, Job, Method, Storage};
+use crate::sim::{self, Cpu, EpochRow, Job, Method, Storage};
 
 /// ImageNet-1k's training set: files and mean size.
 const IMAGENET_FILES: u32 = 1_281_167;
@@ -64,6 +64,16 @@ pub struct SimArgs {
     /// Round trip between two nodes, in microseconds
     #[arg(long, default_value_t = 50.0)]
     pub net_latency_us: f64,
+    /// Cores per node that reading may use
+    #[arg(long, default_value_t = 64.0)]
+    pub cores: f64,
+    /// Processor time of a file read through the mount, in microseconds (0: not modelled)
+    #[arg(long, default_value_t = 0.0)]
+    pub read_cpu_us: f64,
+    /// Processor time of a copy into the cache, in microseconds, on the node that makes it (and
+    /// as much on a peer serving it) (0: not modelled)
+    #[arg(long, default_value_t = 0.0)]
+    pub copy_cpu_us: f64,
     /// One JSON object per row instead of a table
     #[arg(long)]
     pub json: bool,
@@ -150,6 +160,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             workers: args.workers,
             cache_bytes: cache.unwrap_or(2 * total / u64::from(nodes)),
             stage_threads: args.stage_threads as usize,
+            cpu: Cpu {
+                cores: positive("cores", args.cores)?,
+                read: args.read_cpu_us.max(0.0) / 1e6,
+                copy: args.copy_cpu_us.max(0.0) / 1e6,
+            },
         };
         let rows = sim::simulate(&job, &storage, &methods)?;
         for row in &rows {

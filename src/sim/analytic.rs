@@ -1,7 +1,7 @@
 //! Reading directly and copying first, from the storage model alone: no cache decides anything
 //! there, so each epoch's cost follows from its bytes, its files and the limits they meet
 //! (the file system's bandwidth and metadata rate shared by every node, each node's network,
-//! the round trip of each open spread over the files read at once).
+//! the round trip of each open spread over the files read at once, the node's processors).
 
 use super::{EpochRow, Job, Method, Setup, Storage};
 
@@ -38,7 +38,7 @@ pub fn direct(setup: &Setup, job: &Job, storage: &Storage) -> Vec<EpochRow> {
     (0..job.epochs)
         .map(|epoch| {
             let (files, bytes) = node_epoch(setup, epoch);
-            let compute = compute_time(job, files);
+            let compute = compute_time(job, files).max(files * job.cpu.read / job.cpu.cores);
             let seconds = compute.max(read_time(job, storage, files, bytes, streams));
             EpochRow {
                 method: Method::Direct,
@@ -64,7 +64,8 @@ pub fn copy_first(setup: &Setup, job: &Job, storage: &Storage) -> Vec<EpochRow> 
     let nodes = f64::from(job.nodes);
     let files = job.sizes.len() as f64;
     let streams = job.stage_threads.max(1) as f64;
-    let copy = read_time(job, storage, files, total as f64, streams);
+    let copy = read_time(job, storage, files, total as f64, streams)
+        .max(files * job.cpu.copy / job.cpu.cores);
     let mut rows = vec![EpochRow {
         method: Method::CopyFirst,
         epoch: None,
@@ -78,7 +79,10 @@ pub fn copy_first(setup: &Setup, job: &Job, storage: &Storage) -> Vec<EpochRow> 
     rows.extend((0..job.epochs).map(|epoch| EpochRow {
         method: Method::CopyFirst,
         epoch: Some(epoch),
-        seconds: compute_time(job, node_epoch(setup, epoch).0),
+        seconds: {
+            let files = node_epoch(setup, epoch).0;
+            compute_time(job, files).max(files * job.cpu.read / job.cpu.cores)
+        },
         pfs_bytes: 0.0,
         pfs_opens: 0.0,
         peer_bytes: 0.0,

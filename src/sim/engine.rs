@@ -77,6 +77,8 @@ struct Sim<'a> {
     active_peer: usize,
     /// When the file system's metadata service has a slot for this node next.
     metadata_next: u64,
+    /// When the node's processors are free next (all cores as one, fluid).
+    cpu_free: u64,
     compute_per_file: u64,
     reader: Reader,
     peering: Option<Peering>,
@@ -156,6 +158,7 @@ impl<'a> Sim<'a> {
             active_source: 0,
             active_peer: 0,
             metadata_next: 0,
+            cpu_free: 0,
             // The node's ranks compute in parallel, each on its own batches.
             compute_per_file: (per_batch_nanos / f64::from(job.ranks_per_node)) as u64,
             reader,
@@ -230,7 +233,8 @@ impl<'a> Sim<'a> {
         let slot = self.core.opened(file, now, &mut effects);
         if self.core.file_state(file) == FileState::Cached {
             self.core.hit();
-            self.at(self.now + self.compute_per_file, Event::Reader);
+            let read = self.on_cpu(self.job.cpu.read);
+            self.at(read.max(self.now + self.compute_per_file), Event::Reader);
         } else {
             match self.core.miss(file, slot, (), now, &mut effects) {
                 // Answered when the copy is done (`apply`).
@@ -244,7 +248,7 @@ impl<'a> Sim<'a> {
     /// The reader's open was answered: it goes on, after reading SOURCE itself if told to.
     /// The core counted the wait for the copy; a read from SOURCE after it is waited for too.
     fn answered(&mut self, answer: Answer) {
-        let mut ready = self.now;
+        let mut ready = self.on_cpu(self.job.cpu.read);
         if let Answer::FromSource(file) = answer {
             let size = self.setup.size(file);
             self.read_through += size;
@@ -344,9 +348,11 @@ impl<'a> Sim<'a> {
             if holder_has && held {
                 let rate = self.storage.net_bandwidth / (self.active_peer + 1) as f64;
                 let took = self.storage.net_latency * NANOS + size as f64 / rate * NANOS;
+                // The node serving it spends as much: by symmetry, this node serves as many.
+                let done = self.on_cpu(2.0 * self.job.cpu.copy);
                 self.active_peer += 1;
                 return self.at(
-                    self.now + took as u64,
+                    done.max(self.now + took as u64),
                     Event::CopyDone(job, Origin::Peer, Ok(size)),
                 );
             }
@@ -365,9 +371,10 @@ impl<'a> Sim<'a> {
             extra = latency;
         }
         let took = extra + self.source_time(size, self.active_source + 1);
+        let done = self.on_cpu(self.job.cpu.copy);
         self.active_source += 1;
         self.at(
-            self.now + took,
+            done.max(self.now + took),
             Event::CopyDone(job, Origin::Source, Ok(size)),
         );
     }
@@ -409,6 +416,17 @@ impl<'a> Sim<'a> {
         let rate = share / streams.max(1) as f64;
         let transfer = self.storage.pfs_latency + size as f64 / rate;
         (slot - self.now) + (transfer * NANOS) as u64
+    }
+
+    /// When `seconds` of processor time asked for now are done: after what the node's cores
+    /// were asked for before, at their pace.
+    fn on_cpu(&mut self, seconds: f64) -> u64 {
+        if seconds <= 0.0 {
+            return self.now;
+        }
+        let start = self.cpu_free.max(self.now);
+        self.cpu_free = start + (seconds / self.job.cpu.cores * NANOS) as u64;
+        self.cpu_free
     }
 
     fn copy_done(&mut self, job: Copy, origin: Origin, result: Result<u64, CopyError>) {

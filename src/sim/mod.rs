@@ -56,6 +56,20 @@ pub struct Job {
     pub cache_bytes: u64,
     /// Concurrent copies per node (`--stage-threads`; also copy-first's streams).
     pub stage_threads: usize,
+    /// What reading costs the node's processors.
+    pub cpu: Cpu,
+}
+
+/// A node's processors as reading uses them: a file read (from the cache, through the mount)
+/// and a copy (on the node fetching it, and as much on the node serving it from a peer) take
+/// processor time, shared by the node's cores with everything else that reads.
+#[derive(Clone, Copy, Debug)]
+pub struct Cpu {
+    pub cores: f64,
+    /// Seconds of processor time per file read.
+    pub read: f64,
+    /// Seconds of processor time per copy.
+    pub copy: f64,
 }
 
 /// How the job reads its data.

@@ -25,6 +25,11 @@ fn job(nodes: u32) -> Job {
         workers: 2,
         cache_bytes: 2 * total / u64::from(nodes),
         stage_threads: 8,
+        cpu: Cpu {
+            cores: 8.0,
+            read: 20e-6,
+            copy: 50e-6,
+        },
     }
 }
 
