@@ -59,6 +59,22 @@ fn bad_announcements_get_one_clear_line_and_change_nothing() {
             json!({"op": "dataset", "paths": ["nope.jpg", "../etc/passwd", "/etc/passwd", "class000"]}),
             "none of the 4 paths is a file on this mount",
         ),
+        (
+            json!({"op": "world", "epoch": 0, "world_size": 0, "indices": [1]}),
+            "the world size 0 is no job's",
+        ),
+        (
+            json!({"op": "world", "epoch": 0, "world_size": 2, "indices": [1, 40]}),
+            "index 40 is out of range: the mount's layout has 40 samples",
+        ),
+        (
+            json!({"op": "world", "epoch": 0, "world_size": 2, "dataset": 3, "indices": [0]}),
+            "no dataset 3 was registered",
+        ),
+        (
+            json!({"op": "world", "epoch": 0, "world_size": 2, "indices": [0], "ranks": [1]}),
+            "unknown field `ranks`",
+        ),
     ] {
         let reply = ask(&mount, request.clone());
         assert_eq!(reply["ok"], false, "{request}: {reply}");
@@ -103,9 +119,15 @@ fn an_announcement_by_path_moves_the_mount_to_predicting() {
     assert_eq!(reply, json!({"ok": true, "dataset": 0, "files": 40}));
     let order: Vec<u64> = (0..40).rev().collect();
     let announce = json!({"op": "order", "epoch": 0, "rank": 0, "world_size": 1, "current": true, "dataset": 0, "indices": order});
+    // A mount without peers never asks for an epoch whole, nor keeps one sent unasked.
     assert_eq!(
         client.request(&announce).unwrap(),
         json!({"ok": true, "files": 40})
+    );
+    let whole = json!({"op": "world", "epoch": 0, "world_size": 1, "dataset": 0, "indices": order});
+    assert_eq!(
+        client.request(&whole).unwrap(),
+        json!({"ok": true, "kept": false})
     );
     assert_eq!(
         ask(&mount, announce)["error"],

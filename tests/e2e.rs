@@ -792,6 +792,156 @@ fn assert_epoch0_read_once(
     );
 }
 
+/// Four nodes of a real PyTorch job with peers, no flag saying its order: ranks in a gloo
+/// group, a DistributedSampler and the feed hook, each rank on its own node's mount of the
+/// GlusterFS volume. Each mount learns its share from the hook, and the whole of each epoch
+/// (which the mounts ask the hook for) places the files on the nodes: from epoch 1 on, the
+/// nodes stage what they read from each other, and every rank reads what it reads without
+/// the mount.
+#[test]
+fn four_fed_nodes_of_a_torch_job_stage_from_each_other() {
+    const W: usize = 4;
+    const SEED: &str = "7";
+    require_fuse();
+    let work = tempfile::tempdir().unwrap();
+    let volume = Volume::up(work.path(), 2);
+    // 600 = 4 × 150: no padding, each file read once an epoch.
+    let data = Dataset::make(&volume.mnt.join("train"), 600, 10);
+    let total = data.bytes(data.files.keys());
+    let peers = (0..W)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let secret = work.path().join("secret");
+    std::fs::write(&secret, "the job's secret, 0123456789abcdef").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let cache_size = (2 * total / W as u64).to_string();
+    let node_args: Vec<Vec<String>> = (0..W)
+        .map(|i| {
+            let args = [
+                "--sampler",
+                "feed",
+                "--peers",
+                &peers,
+                "--node",
+                &i.to_string(),
+            ];
+            let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            args.extend(["--peer-secret-file".into(), secret.display().to_string()]);
+            args.extend(["--cache-size".into(), cache_size.clone()]);
+            args
+        })
+        .collect();
+    let mounts: Vec<TestMount> = (0..W)
+        .map(|i| {
+            let args: Vec<&str> = node_args[i].iter().map(String::as_str).collect();
+            TestMount::new(&data.root, &work.path().join(format!("node{i}")), &args)
+        })
+        .collect();
+    let sync = format!("tcp://127.0.0.1:{}", free_port());
+    let ranks: Vec<String> = (0..W).map(|r| r.to_string()).collect();
+    let runs: Vec<(Vec<String>, Vec<Value>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..W)
+            .map(|r| {
+                let (mount, rank, sync) = (&mounts[r], &ranks[r], &sync);
+                let work = work.path();
+                s.spawn(move || {
+                    let args = [
+                        "--seed",
+                        SEED,
+                        "--world-size",
+                        "4",
+                        "--rank",
+                        rank,
+                        "--sync-url",
+                        sync,
+                    ];
+                    let launch = Launch {
+                        epochs: FEED_EPOCHS,
+                        env: feed_env(),
+                        ..Launch::new("train_distributed.py", &args)
+                    };
+                    let mut stats = vec![mount.stats()];
+                    let name = format!("peers-rank{r}");
+                    let (_, order) = Job::spawn(work, &name, &launch, &mount.mnt)
+                        .finish(|_| stats.push(mount.stats()));
+                    (order, stats)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let counted = |key: &str, epoch: usize| -> u64 {
+        (runs.iter())
+            .map(|(_, stats)| stats[epoch][key].as_u64().unwrap())
+            .sum()
+    };
+    for (r, (order, stats)) in runs.iter().enumerate() {
+        let sampler = [
+            "--sampler",
+            "torch-distributed",
+            "--seed",
+            SEED,
+            "--world-size",
+            "4",
+            "--rank",
+            &ranks[r],
+        ];
+        let want = predicted(&data.root, &sampler, FEED_EPOCHS, false);
+        same_order(&format!("rank {r} through its node's mount"), order, &want);
+        let last = stats.last().unwrap();
+        assert_eq!(
+            last["prediction"], "announced by the job",
+            "rank {r}: {last}"
+        );
+        let log = mounts[r].log_text();
+        assert!(
+            log.contains(&format!("epoch {FEED_EPOCHS} announced whole (4 ranks)")),
+            "node {r}: the hook did not announce the epochs whole:\n{log}"
+        );
+        assert!(
+            !log.contains("stages from the source only"),
+            "node {r}:\n{log}"
+        );
+    }
+    let stderr = |r: usize| {
+        std::fs::read_to_string(work.path().join(format!("peers-rank{r}.stderr")))
+            .unwrap_or_default()
+    };
+    for r in 0..W {
+        assert!(
+            !stderr(r).contains("stagefs-feed: warning"),
+            "rank {r}:\n{}",
+            stderr(r)
+        );
+    }
+    let read_later = (FEED_EPOCHS as u64 - 1) * total;
+    let source_later = counted("source_bytes", FEED_EPOCHS) - counted("source_bytes", 1);
+    let source_all = counted("source_bytes", FEED_EPOCHS);
+    let peer_all = counted("peer_bytes", FEED_EPOCHS);
+    eprintln!(
+        "four fed nodes: {total} B dataset; SOURCE {source_all} B in all, {source_later} B in epochs 1-{} ({:.2}% of their reads); from peers {peer_all} B; hits {} misses {}",
+        FEED_EPOCHS - 1,
+        100.0 * source_later as f64 / read_later as f64,
+        counted("hits", FEED_EPOCHS),
+        counted("misses", FEED_EPOCHS),
+    );
+    assert!(
+        source_later * 20 <= read_later,
+        "epochs 1-{}: {source_later} of {read_later} bytes from SOURCE (over 5%)",
+        FEED_EPOCHS - 1
+    );
+    assert!(
+        source_all <= total + read_later / 20,
+        "{source_all} bytes from SOURCE in all for a dataset of {total}"
+    );
+    assert!(peer_all > 0, "nothing came from a peer");
+    for m in mounts {
+        m.unmount();
+    }
+    drop(volume);
+}
+
 /// Files in the feed tests' datasets (small ones: what counts is their number) and the
 /// cache's share of their bytes, 30%: only staging in the announced order reaches the hit
 /// ratios checked. An epoch's first batches race its announcement (about a dozen opens), so

@@ -18,7 +18,7 @@
 //! - a peer serving corrupted bytes is caught, and the file comes from SOURCE.
 mod common;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -323,18 +323,42 @@ struct Interrupt<'f> {
     then: Box<dyn FnOnce() + Send + 'f>,
 }
 
+/// How the job's nodes know its order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Known {
+    /// From their flags (`--sampler torch-distributed`, the job's seed and world, their rank).
+    Configured,
+    /// From announcements over the control channel (`--sampler feed`), as the job's hook
+    /// makes them for a DistributedSampler: each epoch's share as it starts and the next
+    /// one's ahead, and each of them whole when the mount asks for it.
+    Announced,
+}
+
 /// A job of `nodes.len()` nodes on this host, one mount and one rank each.
 struct Job<'d> {
     data: &'d Data,
     nodes: Vec<TestMount>,
     ports: Vec<u16>,
     world: usize,
+    known: Known,
+    /// The (node, epoch)s announced whole so far.
+    whole: std::sync::Mutex<BTreeSet<(usize, u64)>>,
 }
 
 impl<'d> Job<'d> {
     /// Mounts one node per secret file (node i with `secrets[i]`), each in `work/nodeI`, with
     /// a cache of twice its share of the dataset and `extra` options.
     fn start(data: &'d Data, work: &Path, secrets: &[PathBuf], extra: &[&str]) -> Job<'d> {
+        Job::start_known(data, work, secrets, extra, Known::Configured)
+    }
+
+    fn start_known(
+        data: &'d Data,
+        work: &Path,
+        secrets: &[PathBuf],
+        extra: &[&str],
+        known: Known,
+    ) -> Job<'d> {
         let world = secrets.len();
         let ports = free_ports(world);
         let peers = peer_list(&ports);
@@ -347,15 +371,20 @@ impl<'d> Job<'d> {
                     let (world_arg, peers, cache_size) = (&world_arg, &peers, &cache_size);
                     s.spawn(move || {
                         let i_arg = i.to_string();
-                        let mut args = vec![
-                            "--sampler",
-                            "torch-distributed",
-                            "--seed",
-                            "0",
-                            "--world-size",
-                            world_arg,
-                            "--rank",
-                            &i_arg,
+                        let mut args = match known {
+                            Known::Configured => vec![
+                                "--sampler",
+                                "torch-distributed",
+                                "--seed",
+                                "0",
+                                "--world-size",
+                                world_arg,
+                                "--rank",
+                                &i_arg,
+                            ],
+                            Known::Announced => vec!["--sampler", "feed"],
+                        };
+                        args.extend([
                             "--node",
                             &i_arg,
                             "--peers",
@@ -364,7 +393,7 @@ impl<'d> Job<'d> {
                             secret.to_str().unwrap(),
                             "--cache-size",
                             cache_size,
-                        ];
+                        ]);
                         args.extend_from_slice(extra);
                         let work = work.join(format!("node{i}"));
                         TestMount::try_new(&data.source, &work, &args)
@@ -386,6 +415,8 @@ impl<'d> Job<'d> {
             nodes,
             ports,
             world,
+            known,
+            whole: Default::default(),
         }
     }
 
@@ -397,8 +428,20 @@ impl<'d> Job<'d> {
 
     /// Node `node`'s predicted order for `epoch`, as relative paths.
     fn order(&self, node: usize, epoch: u64) -> Vec<String> {
+        self.order_as(node, epoch, &["--paths"])
+    }
+
+    /// Node `node`'s order for `epoch` as sample indices of the dataset (what the hook
+    /// announces for a dataset without a file list).
+    fn indices(&self, node: usize, epoch: u64) -> Vec<u64> {
+        (self.order_as(node, epoch, &[]).iter())
+            .map(|i| i.parse().expect("stagefs order prints indices"))
+            .collect()
+    }
+
+    fn order_as(&self, node: usize, epoch: u64, how: &[&str]) -> Vec<String> {
         let (world, rank, epoch) = (self.world.to_string(), node.to_string(), epoch.to_string());
-        let order = stagefs_order(&[
+        let mut args = vec![
             "--sampler",
             "torch-distributed",
             "--seed",
@@ -411,10 +454,45 @@ impl<'d> Job<'d> {
             &epoch,
             "--source",
             self.data.backing.to_str().unwrap(),
-            "--paths",
-        ]);
+        ];
+        args.extend_from_slice(how);
+        let order = stagefs_order(&args);
         assert_eq!(order.len(), self.data.files.len() / self.world);
         order
+    }
+
+    /// What a job's hook tells node `node` as `epoch` starts: the epoch's share (and the next
+    /// one's, ahead), each whole when the mount asks for it, which it must do exactly once
+    /// per epoch.
+    fn announce(&self, node: usize, epoch: u64) {
+        let address = String::from_utf8(
+            (self.nodes[node]).getfattr(&self.nodes[node].mnt, "user.stagefs.control"),
+        )
+        .unwrap();
+        let ask = |request: serde_json::Value| {
+            let reply = stagefs::control::request(&address, &request).expect("the daemon answers");
+            assert_eq!(reply["ok"], true, "{request}: {reply}");
+            reply
+        };
+        for (e, current) in [(epoch, true), (epoch + 1, false)] {
+            let order = serde_json::json!({"op": "order", "epoch": e, "rank": node, "world_size": self.world,
+                "current": current, "indices": self.indices(node, e)});
+            let asked = ask(order)["world"] == true;
+            let sent = !self.whole.lock().unwrap().insert((node, e));
+            assert_eq!(
+                asked, !sent,
+                "node {node} asked for epoch {e} whole: {asked}"
+            );
+            if asked {
+                // Rank r of W reads every W-th sample of the whole epoch from r.
+                let shares: Vec<Vec<u64>> = (0..self.world).map(|r| self.indices(r, e)).collect();
+                let whole: Vec<u64> = (0..shares[0].len())
+                    .flat_map(|i| shares.iter().map(move |s| s[i]))
+                    .collect();
+                let world = serde_json::json!({"op": "world", "epoch": e, "world_size": self.world, "indices": whole});
+                assert_eq!(ask(world)["kept"], true);
+            }
+        }
     }
 
     fn counters(&self, node: usize) -> Peering {
@@ -434,6 +512,11 @@ impl<'d> Job<'d> {
         nodes: &[usize],
         interrupt: Option<Interrupt<'_>>,
     ) -> Vec<Reading> {
+        if self.known == Known::Announced {
+            for &node in nodes {
+                self.announce(node, epoch);
+            }
+        }
         let orders: Vec<Vec<String>> = nodes.iter().map(|&n| self.order(n, epoch)).collect();
         let readers = nodes.len();
         let arrived = Barrier::new(readers + 1);
@@ -508,6 +591,77 @@ fn four_nodes_read_epochs_1_and_2_from_peers() {
     let work = tempfile::tempdir().unwrap();
     let data = Data::new(work.path(), FILES);
     let job = Job::with_one_secret(&data, work.path(), 4, &[]);
+    let measured = three_epochs_mostly_from_peers(&job);
+
+    // The counters are attributes of the mount root too, and `stagefs stats` has them.
+    let mnt = &job.nodes[0].mnt;
+    for key in [
+        "peer_files",
+        "peer_bytes",
+        "peer_fallbacks",
+        "peer_deferrals",
+        "served_files",
+        "served_bytes",
+        "served_refused",
+    ] {
+        let low = job.nodes[0].stats()[key].as_u64().unwrap();
+        let attr = xattr(mnt, &format!("user.stagefs.{key}"))
+            .unwrap_or_else(|| panic!("the mount root has no attribute user.stagefs.{key}"));
+        let attr: u64 = attr
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("user.stagefs.{key} is {attr:?}, not a number"));
+        let high = job.nodes[0].stats()[key].as_u64().unwrap();
+        assert!(
+            (low..=high).contains(&attr),
+            "user.stagefs.{key} is {attr}, the statistics {low} then {high}"
+        );
+    }
+    let out = stagefs(&["stats", mnt.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats --json");
+    Peering::of(&json);
+    let out = stagefs(&["stats", mnt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).to_lowercase().contains("peer"),
+        "stagefs stats shows nothing of the peers:\n{}",
+        text(&out.stdout)
+    );
+    drop(job);
+    let cpu = one_node_costs(&data, &work.path().join("one"));
+    compare_with_simulation(&data, &measured, cpu);
+}
+
+/// The same job, its order announced by the job (`--sampler feed`, as the hook does for a
+/// DistributedSampler): the nodes place the files from the epochs announced whole.
+#[test]
+fn four_fed_nodes_read_epochs_1_and_2_from_peers() {
+    let work = tempfile::tempdir().unwrap();
+    let data = Data::new(work.path(), FILES);
+    let secret = secret_file(work.path(), "secret", SECRET, 0o600);
+    let secrets = vec![secret; 4];
+    let job = Job::start_known(&data, work.path(), &secrets, &[], Known::Announced);
+    three_epochs_mostly_from_peers(&job);
+    for (i, node) in job.nodes.iter().enumerate() {
+        assert_eq!(node.stats()["prediction"], "announced by the job");
+        let log = node.log_text();
+        assert!(
+            log.contains("epoch 3 announced whole (4 ranks)"),
+            "node {i}:\n{log}"
+        );
+        assert!(
+            !log.contains("stages from the source only"),
+            "node {i} refused to place:\n{log}"
+        );
+    }
+}
+
+/// Reads epochs 0 to 2 on every node of `job` at once, lock-step per epoch, and checks the
+/// goals: in epochs 1 and 2 at most 5% of what the nodes read comes from SOURCE, and the
+/// nodes staged from each other. Returns each epoch's seconds, SOURCE bytes and peer bytes.
+fn three_epochs_mostly_from_peers(job: &Job) -> Vec<(f64, u64, u64)> {
+    let data = job.data;
     let all = [0, 1, 2, 3];
     eprintln!(
         "four nodes, world 4, {} files, {} bytes on SOURCE ({} ms per open), caches of {} bytes each",
@@ -605,44 +759,7 @@ fn four_nodes_read_epochs_1_and_2_from_peers() {
         total.line()
     );
 
-    // The counters are attributes of the mount root too, and `stagefs stats` has them.
-    let mnt = &job.nodes[0].mnt;
-    for key in [
-        "peer_files",
-        "peer_bytes",
-        "peer_fallbacks",
-        "peer_deferrals",
-        "served_files",
-        "served_bytes",
-        "served_refused",
-    ] {
-        let low = job.nodes[0].stats()[key].as_u64().unwrap();
-        let attr = xattr(mnt, &format!("user.stagefs.{key}"))
-            .unwrap_or_else(|| panic!("the mount root has no attribute user.stagefs.{key}"));
-        let attr: u64 = attr
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("user.stagefs.{key} is {attr:?}, not a number"));
-        let high = job.nodes[0].stats()[key].as_u64().unwrap();
-        assert!(
-            (low..=high).contains(&attr),
-            "user.stagefs.{key} is {attr}, the statistics {low} then {high}"
-        );
-    }
-    let out = stagefs(&["stats", mnt.to_str().unwrap(), "--json"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats --json");
-    Peering::of(&json);
-    let out = stagefs(&["stats", mnt.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stdout).to_lowercase().contains("peer"),
-        "stagefs stats shows nothing of the peers:\n{}",
-        text(&out.stdout)
-    );
-    drop(job);
-    let cpu = one_node_costs(&data, &work.path().join("one"));
-    compare_with_simulation(&data, &measured, cpu);
+    measured
 }
 
 /// What reading costs this host's processors, measured on one node alone (one mount, one

@@ -17,6 +17,8 @@ process that iterates the loader (the main process; workers only fetch):
 3. where the next epoch's order can be computed without touching the job's random state (a
    sampler with ``set_epoch``, as DistributedSampler), it is announced too, so staging crosses
    the epoch boundary without waiting;
+   a DistributedSampler's epoch is also announced whole (every rank's share) when the mount
+   asks for it: a mount with peers places the job's files on its nodes with it;
 4. wherever a batch is fetched (workers, or the main process), its files are opened with one
    request to the mount and read from the descriptors it sends back (``opens``), whatever
    tells the mount its order: flags, detection or these announcements.
@@ -297,8 +299,9 @@ def _announce(target, loader, sampler, drawn):
         channel = _channels.setdefault(mountpoint, Channel(mountpoint, address))
     batched = loader._auto_collation
     base, to_base = _base_of(loader.dataset)
-    indices = to_base(_flatten(drawn, batched))
-    rank, world = _rank()
+    holder, _ = _with_set_epoch(sampler)
+    # What a DistributedSampler reads is its own rank's share, whatever the environment says.
+    rank, world = (holder.rank, holder.num_replicas) if holder is not None else _rank()
     stream = {"root": root, "shuffled": _shuffles(sampler)}
     # Loaders over one dataset (new Subsets each epoch) are one stream; training and
     # validation over it are two (only one shuffles).
@@ -309,10 +312,14 @@ def _announce(target, loader, sampler, drawn):
     try:
         channel.connect()
         dataset = _register(channel, base, paths) if paths is not None else None
-        _send_order(channel, dataset, stream, epoch, rank, world, indices, current=True)
-        ahead = _next_epoch_indices(loader, sampler, batched)
-        if ahead is not None:
-            _send_order(channel, dataset, stream, epoch + 1, rank, world, to_base(ahead), current=False)
+        for offset in (0, 1):
+            own = _flatten(drawn, batched) if offset == 0 else _next_epoch_indices(loader, sampler, batched)
+            if own is None:
+                break
+            reply = _send_order(channel, dataset, stream, epoch + offset, rank, world, to_base(own),
+                                current=offset == 0)
+            if reply.get("world") and holder is not None:
+                _send_whole_epoch(channel, dataset, stream, epoch + offset, holder, own, offset, to_base)
     except ChannelBusy as e:
         channel.close()
         _warn(("busy", mountpoint), f"{e}; this epoch is not announced")
@@ -349,11 +356,40 @@ def _send_order(channel, dataset, stream, epoch, rank, world, indices, current):
         "shuffled": stream["shuffled"],
         "indices": indices,
     }
+    return channel.request(_for_stream(message, dataset, stream))
+
+
+def _for_stream(message, dataset, stream):
     if stream["root"] is not None:
         message["root"] = stream["root"]
     if dataset is not None:
         message["dataset"] = dataset
-    channel.request(message)
+    return message
+
+
+def _send_whole_epoch(channel, dataset, stream, epoch, holder, own, offset, to_base):
+    """Announces the whole of `epoch` of DistributedSampler `holder` (its epoch, or the next
+    one with `offset` 1): every rank's share, rank r of W reading every W-th index from r.
+    Computed by the sampler's own code on a copy that reads for a world of one; sent only if
+    this rank's share of it is what the rank reads (`own`)."""
+    whole = copy.copy(holder)
+    whole.num_replicas, whole.rank, whole.num_samples = 1, 0, holder.total_size
+    whole.set_epoch(holder.epoch + offset)
+    # DistributedSampler draws from a generator of its own: no random state of the job moves.
+    indices = [int(i) for i in whole]
+    share = indices[holder.rank::holder.num_replicas]
+    if len(indices) != holder.total_size or share[:len(own)] != own:
+        return _warn(("whole", type(holder).__name__),
+                     "the sampler's epoch as a whole does not give this rank's share; "
+                     "the mount's peers stage this job's files from the source")
+    message = {
+        "op": "world",
+        "epoch": epoch,
+        "world_size": holder.num_replicas,
+        "shuffled": stream["shuffled"],
+        "indices": to_base(indices),
+    }
+    channel.request(_for_stream(message, dataset, stream))
 
 
 def _shuffles(sampler, depth=0):

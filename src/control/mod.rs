@@ -80,7 +80,7 @@ pub enum RequestError {
     Unmounting,
     #[error(transparent)]
     Announce(#[from] crate::stager::AnnounceError),
-    #[error("the world size {0} is larger than any job's (at most {MAX_WORLD_SIZE})")]
+    #[error("the world size {0} is no job's (1 to {MAX_WORLD_SIZE} ranks)")]
     WorldSize(u32),
     #[error("the client hung up before its answer")]
     Gone,

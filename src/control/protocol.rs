@@ -33,6 +33,22 @@ pub enum Request {
         shuffled: bool,
         indices: Vec<u64>,
     },
+    /// The whole of `epoch` of one loader, as a DistributedSampler splits it over the job's
+    /// ranks: rank `r` of `world_size` reads `indices[r]`, `indices[r + world_size]`, ...
+    /// Indices, `dataset`, `root` and `shuffled` as in [`Request::Order`]. A mount with peers
+    /// asks for it in its reply to an order (`"world": true`): the job's files are placed on
+    /// its nodes with it.
+    World {
+        epoch: u64,
+        world_size: u32,
+        #[serde(default)]
+        dataset: Option<u64>,
+        #[serde(default)]
+        root: Option<String>,
+        #[serde(default = "shuffled_by_default")]
+        shuffled: bool,
+        indices: Vec<u64>,
+    },
     /// The job (re)starts at `epoch` (`stagefs epoch`).
     Epoch { epoch: u64 },
     /// Opens `paths` (relative to the mount's root, at most [`MAX_BATCH`]) for reading, each

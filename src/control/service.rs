@@ -174,21 +174,37 @@ impl Session for ControlSession {
                 shuffled,
                 indices,
             } => {
-                if world_size > MAX_WORLD_SIZE {
-                    return Err(RequestError::WorldSize(world_size));
-                }
+                self.may_announce(&data, world_size)?;
                 if rank >= world_size {
                     return Err(RequestError::Rank { rank, world_size });
-                }
-                if !self.privileged && !data.stager.plan().is_fed() {
-                    return Err(self.owners_only("make it follow announcements"));
                 }
                 let (files, name) =
                     self.files_of(&data.catalog, dataset, root.as_deref(), &indices, gone)?;
                 let count = files.len();
                 let stream = StreamKey { name, shuffled };
                 data.stager.announce(&stream, epoch, rank, files, current)?;
-                Ok(self.counted(Reply::ok(), count))
+                let mut reply = Reply::ok();
+                if data.stager.wants_world(&stream, epoch) {
+                    reply = reply.with("world", true);
+                }
+                Ok(self.counted(reply, count))
+            }
+            Request::World {
+                epoch,
+                world_size,
+                dataset,
+                root,
+                shuffled,
+                indices,
+            } => {
+                self.may_announce(&data, world_size)?;
+                let (files, name, _) =
+                    self.indexed(&data.catalog, dataset, root.as_deref(), &indices)?;
+                let stream = StreamKey { name, shuffled };
+                let kept = data
+                    .stager
+                    .announce_world(&stream, epoch, world_size, files)?;
+                Ok(Reply::ok().with("kept", kept))
             }
             Request::Epoch { epoch } => self.move_epoch(&data, epoch, gone),
             Request::Open { paths } => self.open_batch(&data, paths, gone),
@@ -264,6 +280,18 @@ impl ControlSession {
             self.pid,
             &files,
         ))
+    }
+
+    /// Refuses an announcement of a world of `world_size` ranks, and any announcement from
+    /// a user other than the owner to a mount that does not follow them.
+    fn may_announce(&self, data: &MountedDataset, world_size: u32) -> Result<(), RequestError> {
+        if world_size == 0 || world_size > MAX_WORLD_SIZE {
+            return Err(RequestError::WorldSize(world_size));
+        }
+        if !self.privileged && !data.stager.plan().is_fed() {
+            return Err(self.owners_only("make it follow announcements"));
+        }
+        Ok(())
     }
 
     /// Counts `n` more registered entries, within this connection's limit and, for the job's
@@ -347,6 +375,8 @@ impl ControlSession {
     /// of the dataset at `root`, and the name of the stream they are (the dataset's
     /// directory, `root` if the job gave one). Indices whose file is not on the mount, or that
     /// the peer may not read, are left out (the job reads them elsewhere, or not at all).
+    /// The files `indices` name (see [`Self::indexed`]) that the peer may read, in order,
+    /// and the stream's name.
     fn files_of(
         &self,
         catalog: &Catalog,
@@ -355,6 +385,25 @@ impl ControlSession {
         indices: &[u64],
         gone: &dyn Fn() -> bool,
     ) -> Result<(Vec<FileId>, String), RequestError> {
+        let (files, name, checked) = self.indexed(catalog, dataset, root, indices)?;
+        let files = files.into_iter().filter_map(MaybeFile::get).collect();
+        match checked {
+            true => Ok((files, name)),
+            false => Ok((self.keep_readable(catalog, files, gone)?, name)),
+        }
+    }
+
+    /// The file of each of `indices`, position for position (none where no file is): indices
+    /// into a registered `dataset`, or without one, sample indices of the mount's layout of
+    /// the dataset at `root`. With the stream's name, and whether the files were checked for
+    /// the peer's access (a registered dataset's were, as it was registered).
+    fn indexed(
+        &self,
+        catalog: &Catalog,
+        dataset: Option<u64>,
+        root: Option<&str>,
+        indices: &[u64],
+    ) -> Result<(Vec<MaybeFile>, String, bool), RequestError> {
         if indices.len() > MAX_ANNOUNCED {
             return Err(RequestError::TooMany {
                 what: "indices",
@@ -364,13 +413,11 @@ impl ControlSession {
         let Some(handle) = dataset else {
             let layout = self.layout_at(root)?;
             check_range(indices, layout.len(), "the mount's layout")?;
-            let files: Vec<FileId> = (indices.iter())
-                .filter_map(|&i| layout.file_of(i as u32))
+            let files = (indices.iter())
+                .map(|&i| MaybeFile::new(layout.file_of(i as u32)))
                 .collect();
-            let files = self.keep_readable(catalog, files, gone)?;
-            return Ok((files, layout.name().to_owned()));
+            return Ok((files, layout.name().to_owned(), false));
         };
-        // A registered dataset's files were checked as it was registered.
         let registered = usize::try_from(handle)
             .ok()
             .and_then(|h| self.registrations.get(h))
@@ -381,8 +428,8 @@ impl ControlSession {
             || crate::catalog::dataset_name(catalog, registered.root),
             str::to_owned,
         );
-        let files = (indices.iter()).filter_map(|&i| files[i as usize].get());
-        Ok((files.collect(), name))
+        let files = indices.iter().map(|&i| files[i as usize]).collect();
+        Ok((files, name, true))
     }
 
     /// The mount's layout of the dataset at `root` (`None`: the one the mount was told, or

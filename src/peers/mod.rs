@@ -38,7 +38,7 @@ use std::time::Duration;
 use crate::stats::Counters;
 
 pub use client::Expected;
-pub use placement::{Placement, PlacementError, Readers};
+pub use placement::{Placement, PlacementError, Readers, Split};
 pub use secret::{Key, SecretError};
 
 /// The peers of a mount, as configured.

@@ -496,13 +496,16 @@ fn each_node_holds_what_its_ranks_read() {
         placements[0].readers(0, n as usize),
         placements[0].readers(1, n as usize),
     );
-    let needs = placements[0].needs(&e0, &e1);
+    let needs = e0.needs(&e1);
     assert!(needs.len() > 150 && needs.len() < 250, "{}", needs.len());
     for (file, offset) in needs {
         assert_eq!(e0.node_of(file), Some(0));
         let reader = e1.node_of(file).unwrap();
         assert_ne!(reader, 0);
-        assert_eq!(placements[reader].holder(&e0, file), Some(0));
+        assert_eq!(
+            placements[reader].readers(0, n as usize).holder(file),
+            Some(0)
+        );
         assert_eq!(e1.offset_of(file), Some(offset));
     }
 }
@@ -531,5 +534,42 @@ fn orders_peers_cannot_place_are_refused() {
             last: 3,
             ..
         })
+    ));
+}
+
+/// An epoch announced whole (the hook's: rank r of W at positions r, r + W, ...) places the
+/// files as the sampler with every rank does, and a node whose ranks are some of its block
+/// places them too.
+#[test]
+fn an_epoch_announced_whole_places_files_as_the_sampler_does() {
+    let (n, world, nodes) = (1000u32, 8u32, 4usize);
+    let block = |node: u32| (node * 2..node * 2 + 2).collect::<Vec<u32>>();
+    let placement = Placement::new(&distributed(world, block(1), n), nodes, 1).unwrap();
+    let whole = distributed(world, (0..world).collect(), n).stream(2);
+    let split = Split::new(world, &[3], nodes, 1).unwrap();
+    let (computed, announced) = (
+        placement.readers(2, n as usize),
+        split.readers(2, &whole, n as usize),
+    );
+    for file in 0..n {
+        assert_eq!(computed.node_of(file), announced.node_of(file));
+        assert_eq!(computed.offset_of(file), announced.offset_of(file));
+        assert_eq!(computed.holder(file), announced.holder(file));
+    }
+    assert!(matches!(
+        Split::new(world, &[4], nodes, 1),
+        Err(PlacementError::Ranks {
+            first: 2,
+            last: 3,
+            ..
+        })
+    ));
+    assert!(matches!(
+        Split::new(world, &[], nodes, 1),
+        Err(PlacementError::Ranks { .. })
+    ));
+    assert!(matches!(
+        Split::new(6, &[0], nodes, 0),
+        Err(PlacementError::World { world: 6, nodes: 4 })
     ));
 }

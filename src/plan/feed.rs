@@ -8,6 +8,10 @@
 //! its own, as ranks may drift apart. An epoch may be announced again (a rank joins late, the job restarts): the newest
 //! announcement of each rank counts, and [`Feed::version`] tells plans built before it to go.
 //!
+//! A DistributedSampler's epoch is known whole on every rank (a permutation, rank `r` of `W`
+//! reading every `W`-th sample from `r`): the hook announces it too ([`World`]), and peers place
+//! the job's files on its nodes from it (who read a file, who will fetch it).
+//!
 //! A job iterates several loaders: training, and validation between epochs (Lightning even
 //! runs a validation "sanity check" before the first training epoch). Each announces as a
 //! stream of its own ([`StreamKey`]), with its own epoch count. One stream is followed and
@@ -91,6 +95,26 @@ struct Announced {
     version: u64,
     /// rank → files in order.
     ranks: BTreeMap<u32, Arc<[FileId]>>,
+    /// The whole epoch, every rank's share, if announced.
+    world: Option<Arc<World>>,
+}
+
+impl Announced {
+    /// Files held for it, the whole epoch's included.
+    fn held(&self) -> usize {
+        let world = self.world.as_ref().map_or(0, |w| w.files.len());
+        self.ranks.values().map(|f| f.len()).sum::<usize>() + world
+    }
+}
+
+/// An epoch of the whole job: rank `r` of `size` reads `files[r], files[r + size], ...` (a
+/// DistributedSampler's split of its padded permutation), so position `p` is rank `p % size`'s.
+/// A sample no file of the catalog answers is none.
+pub struct World {
+    pub size: u32,
+    pub files: Arc<[MaybeFile]>,
+    /// The announcement's number: a newer one for the same epoch replaces it.
+    pub version: u64,
 }
 
 impl Feed {
@@ -115,17 +139,10 @@ impl Feed {
             st.epochs.clear();
         }
         st.epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
-        let held: usize = st
-            .epochs
-            .iter()
-            .flat_map(|(&e, a)| {
-                a.ranks
-                    .iter()
-                    .filter(move |&(&r, _)| (e, r) != (epoch, rank))
-            })
-            .map(|(_, f)| f.len())
-            .sum();
-        if held + files.len() > MAX_HELD {
+        let replaced = (st.epochs.get(&epoch))
+            .and_then(|a| a.ranks.get(&rank))
+            .map_or(0, |f| f.len());
+        if st.held() - replaced + files.len() > MAX_HELD {
             return Err(FeedError::TooLarge);
         }
         let announced = st.epochs.entry(epoch).or_default();
@@ -139,6 +156,40 @@ impl Feed {
         let most = st.followed.as_ref().map_or(0, |(_, n)| *n).max(files.len());
         st.followed = Some((stream.clone(), most));
         Ok(Taken::Followed { len, switched })
+    }
+
+    /// The whole of `epoch` of `stream` (see [`World`]), replacing what was announced of it
+    /// before; `false` (not kept) if `stream` is not the one followed.
+    pub fn announce_world(
+        &self,
+        stream: &StreamKey,
+        epoch: u64,
+        size: u32,
+        files: Arc<[MaybeFile]>,
+    ) -> Result<bool, FeedError> {
+        let mut st = self.state.lock();
+        if !st.followed.as_ref().is_some_and(|(key, _)| key == stream) {
+            return Ok(false);
+        }
+        st.epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
+        let replaced = (st.epochs.get(&epoch))
+            .and_then(|a| a.world.as_ref())
+            .map_or(0, |w| w.files.len());
+        if st.held() - replaced + files.len() > MAX_HELD {
+            return Err(FeedError::TooLarge);
+        }
+        let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
+        st.epochs.entry(epoch).or_default().world = Some(Arc::new(World {
+            size,
+            files,
+            version,
+        }));
+        Ok(true)
+    }
+
+    /// The whole of `epoch`, if announced.
+    pub fn world(&self, epoch: u64) -> Option<Arc<World>> {
+        self.state.lock().epochs.get(&epoch)?.world.clone()
     }
 
     /// The followed stream, once one announced.
@@ -211,6 +262,11 @@ impl Feed {
 }
 
 impl FeedState {
+    /// Files held for all kept epochs.
+    fn held(&self) -> usize {
+        self.epochs.values().map(Announced::held).sum()
+    }
+
     /// The ranks that announced any kept epoch, in rank order: one lane each.
     fn lanes(&self) -> Vec<u32> {
         let mut ranks: Vec<u32> = self
@@ -356,5 +412,62 @@ mod tests {
         feed.announce(&train(), 0, 0, vec![0].into()).unwrap();
         assert_eq!(stream(&feed, 0), [Some(0)]);
         assert!(feed.node_stream(9).is_empty());
+    }
+
+    fn whole(files: &[FileId]) -> Arc<[MaybeFile]> {
+        files.iter().map(|&f| MaybeFile::from(f)).collect()
+    }
+
+    /// An epoch announced whole is kept for the followed stream only, counts against what
+    /// the feed holds, a newer one replaces it, and it goes with its epoch or a switch.
+    #[test]
+    fn whole_epochs_are_kept_for_the_followed_stream_within_bounds() {
+        let feed = Feed::default();
+        let val = StreamKey {
+            name: "val".into(),
+            shuffled: false,
+        };
+        assert_eq!(
+            feed.announce_world(&train(), 0, 2, whole(&[1, 2])),
+            Ok(false)
+        );
+        feed.announce(&train(), 0, 0, vec![1, 3].into()).unwrap();
+        assert_eq!(feed.announce_world(&val, 0, 2, whole(&[1, 2])), Ok(false));
+        assert!(feed.world(0).is_none());
+        assert_eq!(
+            feed.announce_world(&train(), 0, 2, whole(&[1, 2, 3, 4])),
+            Ok(true)
+        );
+        let first = feed.world(0).unwrap();
+        assert_eq!((first.size, first.files.len()), (2, 4));
+        // Plans stay: a whole epoch changes no rank's stream.
+        let version = feed.version_of(0);
+        feed.announce_world(&train(), 0, 2, whole(&[4, 3, 2, 1]))
+            .unwrap();
+        let second = feed.world(0).unwrap();
+        assert!(second.version > first.version);
+        assert_eq!(second.files[0], MaybeFile::from(4));
+        assert_eq!(feed.version_of(0), version);
+        // What it holds counts: one more file than the bound is refused, and changes nothing.
+        let too_many: Arc<[MaybeFile]> = vec![MaybeFile::new(None); MAX_HELD - 1].into();
+        assert_eq!(
+            feed.announce_world(&train(), 1, 2, too_many),
+            Err(FeedError::TooLarge)
+        );
+        assert!(feed.world(1).is_none());
+        assert_eq!(feed.world(0).unwrap().version, second.version);
+        // Gone with its epoch, and with the stream when another one is followed.
+        feed.announce(&train(), KEPT_EPOCHS, 0, vec![1].into())
+            .unwrap();
+        assert!(feed.world(0).is_none());
+        feed.announce_world(&train(), KEPT_EPOCHS, 2, whole(&[1, 2]))
+            .unwrap();
+        let bigger = StreamKey {
+            name: "big".into(),
+            shuffled: true,
+        };
+        feed.announce(&bigger, 0, 0, vec![1, 2, 3, 4, 5].into())
+            .unwrap();
+        assert!(feed.world(KEPT_EPOCHS).is_none());
     }
 }

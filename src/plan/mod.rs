@@ -28,7 +28,7 @@ use crate::catalog::{FileId, Layout, MaybeFile};
 use crate::order::{OrderError, SamplerConfig, SamplerKind};
 
 pub use epoch::EpochPlan;
-pub use feed::{Feed, FeedError, StreamKey};
+pub use feed::{Feed, FeedError, StreamKey, World};
 pub use generation::{Generation, Order, Prediction};
 pub use tracker::{
     DEFAULT_WINDOW, OpenMatch, Run, Tracker, TrackerMode, TrackerSettings, densest_run,
@@ -287,6 +287,32 @@ impl Plan {
             FedChange::Grown
         };
         Ok((change, generation))
+    }
+
+    /// Takes the whole of `epoch` of `stream` as the job announced it (see [`World`]): `false`
+    /// if not kept (the prediction does not follow announcements, or `stream` is not the one
+    /// followed).
+    pub fn announce_world(
+        &self,
+        stream: &StreamKey,
+        epoch: u64,
+        size: u32,
+        files: Arc<[MaybeFile]>,
+    ) -> Result<bool, FeedError> {
+        if !self.is_fed() {
+            return Ok(false);
+        }
+        self.feed.announce_world(stream, epoch, size, files)
+    }
+
+    /// The stream whose announcements are followed (none unless fed, or before the first).
+    pub fn followed(&self) -> Option<StreamKey> {
+        self.is_fed().then(|| self.feed.followed()).flatten()
+    }
+
+    /// The whole of `epoch` as the job announced it (none unless fed).
+    pub fn world(&self, epoch: u64) -> Option<Arc<World>> {
+        self.is_fed().then(|| self.feed.world(epoch)).flatten()
     }
 
     /// Ranks that announced `epoch` (none unless fed).

@@ -392,7 +392,7 @@ impl<'a> Sim<'a> {
         let frontier = self.core.frontier();
         let peering = self.peering.as_mut()?;
         let readers = readers(peering, held_epoch, self.setup.catalog.len());
-        peering.placement.holder(&readers, job.file)?;
+        readers.holder(job.file)?;
         let offset = readers.offset_of(job.file)?;
         let has = frontier > generation.join(held_epoch, offset);
         let asked = peering.served + peering.not_held;
@@ -456,7 +456,8 @@ impl<'a> Sim<'a> {
         for &epoch in epochs.iter().filter(|&&e| e > 0) {
             let held = readers(peering, epoch - 1, id_space);
             let next = readers(peering, epoch, id_space);
-            let needs: Vec<(FileId, Position)> = (peering.placement.needs(&held, &next))
+            let needs: Vec<(FileId, Position)> = held
+                .needs(&next)
                 .into_iter()
                 .map(|(file, offset)| (file, generation.join(epoch, offset)))
                 .collect();

@@ -42,7 +42,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use self::core::{Answer, Core, Effects, FileState, Wake};
 use crate::cache::{CacheDir, OpenCopy};
-use crate::catalog::{Attributes, Catalog, Datasets, FileId};
+use crate::catalog::{Attributes, Catalog, Datasets, FileId, MaybeFile};
 use crate::order::SamplerKind;
 use crate::peers::{Holder, Peers};
 use crate::plan::{FedChange, Generation, Plan, Prediction, StreamKey, TrackerSettings};
@@ -395,6 +395,39 @@ impl Stager {
             ((), effects)
         });
         Ok(())
+    }
+
+    /// Takes the whole of `epoch` of `stream` as the job's hook announced it (a
+    /// DistributedSampler's: see [`crate::plan::World`]), which places the job's files on its
+    /// nodes for peers. Returns whether it was kept (a mount with peers, fed, the stream
+    /// followed).
+    pub fn announce_world(
+        &self,
+        stream: &StreamKey,
+        epoch: u64,
+        size: u32,
+        files: Vec<MaybeFile>,
+    ) -> Result<bool, AnnounceError> {
+        let inner = &self.inner;
+        if inner.peering.is_none() {
+            return Ok(false);
+        }
+        let files: Arc<[MaybeFile]> = files.into();
+        if !inner.plan.announce_world(stream, epoch, size, files)? {
+            return Ok(false);
+        }
+        log::info!("epoch {epoch} announced whole ({size} ranks)");
+        inner.plan_peers(&inner.plan.generation(), &[epoch, epoch + 1]);
+        Ok(true)
+    }
+
+    /// Whether the job is to announce the whole of `epoch` of `stream`: peers place files with
+    /// it, the stream is the one followed, and the epoch was not announced whole yet.
+    pub fn wants_world(&self, stream: &StreamKey, epoch: u64) -> bool {
+        let plan = &self.inner.plan;
+        self.inner.peering.is_some()
+            && plan.followed().as_ref() == Some(stream)
+            && plan.world(epoch).is_none()
     }
 
     /// The job's hook found a dataset of class `kind` on the mount and cannot map it to files.

@@ -2,10 +2,12 @@
 //! file from the node that read it the epoch before, and telling the core which copies the
 //! other nodes will fetch from this one so eviction keeps them.
 //!
-//! Who read what is the [`Placement`] of the prediction's order, computed per epoch off the
-//! core's lock and kept for the last few epochs. An order peers cannot place (not a
-//! DistributedSampler, ranks not in per-node blocks) is said once in the log, and the node
-//! stages from SOURCE only, as without `--peers`.
+//! Who read what ([`Readers`]) is computed per epoch off the core's lock from the job's whole
+//! order: the prediction's sampler with every rank ([`Placement`]), or the epoch as the job's
+//! hook announced it whole ([`crate::plan::World`]); the last few epochs are kept. An order
+//! peers cannot place (not a DistributedSampler, ranks not in per-node blocks, a fed epoch
+//! announced only rank by rank) is said once in the log, and the node stages its files from
+//! SOURCE, as without `--peers`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -17,8 +19,10 @@ use super::core::{FileState, Job};
 use super::source::{self, SourceError};
 use crate::cache::CopyError;
 use crate::catalog::Attributes;
-use crate::peers::{Expected, Fallback, FetchError, Held, Holder, Peers, Placement, Readers};
-use crate::plan::{Generation, NEVER, Order};
+use crate::peers::{
+    Expected, Fallback, FetchError, Held, Holder, Peers, Placement, Readers, Split,
+};
+use crate::plan::{Generation, NEVER, Plan, Prediction};
 
 /// Epochs whose readers are kept: the one before the reader's (who holds its files), its own
 /// and the next (what the peers will fetch).
@@ -30,15 +34,21 @@ pub(super) struct Peering {
     placed: Mutex<Placed>,
 }
 
-/// The placement of the order predicted now, and the readers of recent epochs under it.
+/// What is known of the current generation's placement.
 #[derive(Default)]
 struct Placed {
-    order: Option<Arc<Order>>,
+    /// The generation (none before the first).
+    generation: Option<u64>,
+    /// A computed order's placement (none for an announced one, or one peers cannot place).
     placement: Option<Arc<Placement>>,
-    readers: Vec<Arc<Readers>>,
-    /// The (generation, epoch) whose needs the core was told: once, so a need met (the peer
-    /// fetched the file) is not pinned again when the epoch is planned again.
-    told: Vec<(u64, u64)>,
+    /// Why this generation's order cannot be placed was said in the log.
+    said: bool,
+    /// Readers of recent epochs, with the version of the announced epoch they come from (0
+    /// for a computed order).
+    readers: Vec<(u64, Arc<Readers>)>,
+    /// The epochs whose needs the core was told: once, so a need met (the peer fetched the
+    /// file) is not pinned again when the epoch is planned again.
+    told: Vec<u64>,
 }
 
 /// A copy from a peer that did not come, as the cache sees it.
@@ -61,95 +71,143 @@ impl Peering {
         }
     }
 
-    /// The placement of `generation`'s order, made when the order changes; `None` (said once
-    /// per order) if peers cannot place it.
-    fn placement(&self, generation: &Generation) -> Option<Arc<Placement>> {
-        let order = generation.order()?;
-        let mut placed = self.placed.lock();
-        if !placed.order.as_ref().is_some_and(|o| Arc::ptr_eq(o, order)) {
-            let settings = self.peers.settings();
-            let placement = Placement::new(order, settings.addrs.len(), settings.node);
-            if let Err(e) = &placement {
-                log::warn!("peers: {e}; this node stages from the source only");
-            }
-            *placed = Placed {
-                order: Some(order.clone()),
-                placement: placement.ok().map(Arc::new),
-                readers: Vec::new(),
-                told: Vec::new(),
-            };
+    /// `placed` made `generation`'s: its placement computed (if an order's) and what was
+    /// known of the one before dropped.
+    fn renew(&self, placed: &mut Placed, generation: &Generation) {
+        if placed.generation == Some(generation.id) {
+            return;
         }
-        placed.placement.clone()
+        *placed = Placed {
+            generation: Some(generation.id),
+            ..Placed::default()
+        };
+        if let Some(order) = generation.order() {
+            let settings = self.peers.settings();
+            match Placement::new(order, settings.addrs.len(), settings.node) {
+                Ok(placement) => placed.placement = Some(Arc::new(placement)),
+                Err(e) => self.say_once(placed, &e),
+            }
+        }
     }
 
-    /// Whether the needs of (`generation`, `epoch`) are to be told now: the first time only.
-    fn first_told(&self, generation: u64, epoch: u64) -> bool {
+    fn say_once(&self, placed: &mut Placed, why: &dyn std::fmt::Display) {
+        if !std::mem::replace(&mut placed.said, true) {
+            log::warn!("peers: {why}; this node stages from the source only");
+        }
+    }
+
+    /// Whether the needs of `epoch` under `generation` are to be told now: the first time
+    /// only.
+    fn first_told(&self, generation: &Generation, epoch: u64) -> bool {
         let mut placed = self.placed.lock();
-        if placed.told.contains(&(generation, epoch)) {
+        self.renew(&mut placed, generation);
+        if placed.told.contains(&epoch) {
             return false;
         }
         if placed.told.len() >= READERS_KEPT {
             placed.told.remove(0);
         }
-        placed.told.push((generation, epoch));
+        placed.told.push(epoch);
         true
     }
 
-    /// Who reads what in `epoch` under `generation`'s order, computed on first use.
+    /// Who reads what in `epoch` under `generation`, computed on first use; none if its
+    /// whole order is not known.
     fn readers(
         &self,
+        plan: &Plan,
         generation: &Generation,
         epoch: u64,
         id_space: usize,
     ) -> Option<Arc<Readers>> {
-        let placement = self.placement(generation)?;
-        if let Some(r) = self.placed.lock().readers.iter().find(|r| r.epoch == epoch) {
-            return Some(r.clone());
+        let (placement, world) = {
+            let mut placed = self.placed.lock();
+            self.renew(&mut placed, generation);
+            match &generation.prediction {
+                Prediction::Configured(_) | Prediction::Detected(_) => {
+                    (Some(placed.placement.clone()?), None)
+                }
+                Prediction::Announced(Some(_)) => {
+                    (None, Some(self.announced(&mut placed, plan, epoch)?))
+                }
+                _ => return None,
+            }
+        };
+        let version = world.as_ref().map_or(0, |(w, _)| w.version);
+        let cached = |placed: &Placed| {
+            (placed.readers.iter())
+                .find(|(v, r)| (r.epoch, *v) == (epoch, version))
+                .map(|(_, r)| r.clone())
+        };
+        if let Some(r) = cached(&self.placed.lock()) {
+            return Some(r);
         }
         // Computed off the lock: an epoch of a large dataset takes a moment.
-        let readers = Arc::new(placement.readers(epoch, id_space));
+        let readers = Arc::new(match (&placement, &world) {
+            (Some(p), _) => p.readers(epoch, id_space),
+            (None, Some((world, split))) => split.readers(epoch, &world.files, id_space),
+            (None, None) => return None,
+        });
         let mut placed = self.placed.lock();
-        if placed
-            .placement
-            .as_ref()
-            .is_some_and(|p| Arc::ptr_eq(p, &placement))
-        {
-            placed.readers.retain(|r| r.epoch != epoch);
-            if placed.readers.len() >= READERS_KEPT {
-                let oldest = (placed.readers.iter().enumerate())
-                    .min_by_key(|(_, r)| r.epoch)
-                    .map(|(i, _)| i)
-                    .unwrap_or(0);
-                placed.readers.remove(oldest);
-            }
-            placed.readers.push(readers.clone());
+        if placed.generation != Some(generation.id) {
+            return Some(readers);
         }
+        if let Some(r) = cached(&placed) {
+            return Some(r);
+        }
+        placed.readers.retain(|(_, r)| r.epoch != epoch);
+        if placed.readers.len() >= READERS_KEPT {
+            let oldest = (placed.readers.iter().enumerate())
+                .min_by_key(|(_, (_, r))| r.epoch)
+                .map(|(i, _)| i)
+                .unwrap_or(0);
+            placed.readers.remove(oldest);
+        }
+        placed.readers.push((version, readers.clone()));
         Some(readers)
+    }
+
+    /// The whole of announced `epoch` and its split over the nodes, if the job announced it
+    /// and it can be placed (said once if not).
+    fn announced(
+        &self,
+        placed: &mut Placed,
+        plan: &Plan,
+        epoch: u64,
+    ) -> Option<(Arc<crate::plan::World>, Split)> {
+        let world = plan.world(epoch)?;
+        let settings = self.peers.settings();
+        let ranks = plan.fed_ranks(epoch);
+        let split = Split::new(world.size, &ranks, settings.addrs.len(), settings.node);
+        match split {
+            Ok(split) => Some((world, split)),
+            Err(e) => {
+                self.say_once(placed, &e);
+                None
+            }
+        }
     }
 }
 
 impl Inner {
-    /// After `epochs` of `generation` were planned: tells the core what the other nodes will
-    /// fetch from this one in each of them.
+    /// After `epochs` of `generation` were planned (or announced whole): tells the core what
+    /// the other nodes will fetch from this one in each of them.
     pub(super) fn plan_peers(self: &Arc<Self>, generation: &Generation, epochs: &[u64]) {
         let Some(peering) = &self.peering else {
             return;
         };
-        let Some(placement) = peering.placement(generation) else {
-            return;
-        };
         let id_space = self.catalog.len();
         for &epoch in epochs.iter().filter(|&&e| e > 0) {
-            if !peering.first_told(generation.id, epoch) {
+            let (Some(held), Some(next)) = (
+                peering.readers(&self.plan, generation, epoch - 1, id_space),
+                peering.readers(&self.plan, generation, epoch, id_space),
+            ) else {
+                continue;
+            };
+            if !peering.first_told(generation, epoch) {
                 continue;
             }
-            let (Some(held), Some(next)) = (
-                peering.readers(generation, epoch - 1, id_space),
-                peering.readers(generation, epoch, id_space),
-            ) else {
-                return;
-            };
-            let needs = (placement.needs(&held, &next).into_iter())
+            let needs = (held.needs(&next).into_iter())
                 .map(|(file, offset)| (file, generation.join(epoch, offset)))
                 .collect();
             self.core.lock().peers_need(generation.id, needs);
@@ -169,9 +227,8 @@ impl Inner {
             (generation, epoch)
         };
         let previous = epoch.checked_sub(1)?;
-        let held = peering.readers(&generation, previous, self.catalog.len())?;
-        let placement = peering.placement(&generation)?;
-        placement.holder(&held, job.file)
+        let held = peering.readers(&self.plan, &generation, previous, self.catalog.len())?;
+        held.holder(job.file)
     }
 
     /// Stages `job`'s file from the peer that holds it, if one does: `None` to read it from

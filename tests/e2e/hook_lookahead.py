@@ -1,7 +1,9 @@
 """Checks the feed hook's look-ahead against the real torch, without a mount: for each sampler
 whose next epoch the hook announces ahead, that announcement must equal what the next epoch
 then really draws, and the job must draw exactly what it draws without the hook, also when
-it stops an epoch early (a peek, a break). Exits non-zero with the first difference.
+it stops an epoch early (a peek, a break). A mount with peers asks for each epoch whole: a
+DistributedSampler's must give every rank the share that rank's own sampler draws, and no
+other sampler's is sent. Exits non-zero with the first difference.
 
     PYTHONPATH=python python3 tests/e2e/hook_lookahead.py
 """
@@ -29,7 +31,8 @@ class FakeChannel:
 
     def request(self, message):
         sent.append(message)
-        return {"ok": True}
+        # As a mount with peers answers an order: send the epoch whole.
+        return {"ok": True, "world": message["op"] == "order"}
 
 
 def loaders():
@@ -59,6 +62,33 @@ def loaders():
         return DataLoader(ds, batch_size=8, sampler=s)
 
     yield "DistributedSampler with set_epoch", distributed, "set_epoch"
+
+    def distributed_dropping():
+        s = DistributedSampler(ds, num_replicas=3, rank=2, seed=7, drop_last=True)
+        return DataLoader(ds, batch_size=8, sampler=s)
+
+    yield "DistributedSampler(drop_last=True) with set_epoch", distributed_dropping, "set_epoch"
+
+
+def whole_epochs_failures(name, make):
+    """Each epoch announced whole must give every rank what that rank's own sampler draws."""
+    worlds = [m for m in sent if m["op"] == "world"]
+    sampler = make().sampler
+    if not isinstance(sampler, DistributedSampler):
+        return [f"{name}: an epoch was announced whole"] if worlds else []
+    failures = []
+    if sorted(m["epoch"] for m in worlds) != [0, 1, 1, 2, 2, 3]:
+        failures.append(f"{name}: epochs announced whole: {[m['epoch'] for m in worlds]}")
+    for m in worlds:
+        for rank in range(sampler.num_replicas):
+            own = DistributedSampler(
+                sampler.dataset, num_replicas=sampler.num_replicas, rank=rank,
+                seed=sampler.seed, drop_last=sampler.drop_last,
+            )
+            own.set_epoch(m["epoch"])
+            if m["indices"][rank::m["world_size"]] != list(own):
+                failures.append(f"{name}: epoch {m['epoch']} announced whole gives rank {rank} another share")
+    return failures
 
 
 # How a job may leave an epoch unfinished: a look at one batch before training, or a break
@@ -127,8 +157,12 @@ def main():
             print(f"{name}: the hook changed what the job drew", file=sys.stderr)
             failures += 1
             continue
-        current = {m["epoch"]: m["indices"] for m in sent if m["current"]}
-        ahead = {m["epoch"]: m["indices"] for m in sent if not m["current"]}
+        orders = [m for m in sent if m["op"] == "order"]
+        current = {m["epoch"]: m["indices"] for m in orders if m["current"]}
+        ahead = {m["epoch"]: m["indices"] for m in orders if not m["current"]}
+        for failure in whole_epochs_failures(name, make):
+            print(failure, file=sys.stderr)
+            failures += 1
         for epoch in range(3):
             if current.get(epoch) != order[epoch]:
                 print(f"{name}: epoch {epoch} announced wrong", file=sys.stderr)
