@@ -53,6 +53,9 @@ const CAUSES: [&str; 7] = [
     "corrupt",
     "stale",
 ];
+/// Epochs whose orders a job computes before its nodes are up: the three a test reads, and
+/// the one announced ahead of the last.
+const EPOCHS_PREPARED: u64 = 4;
 const SECRET: &str = "the-job-secret-0123456789abcdef\n";
 
 // ---------------------------------------------------------------------------------------------
@@ -343,6 +346,10 @@ struct Job<'d> {
     known: Known,
     /// The (node, epoch)s announced whole so far.
     whole: std::sync::Mutex<BTreeSet<(usize, u64)>>,
+    /// Orders computed so far: (node, epoch, as indices) → the order.
+    orders: std::sync::Mutex<HashMap<(usize, u64, bool), Vec<String>>>,
+    /// When every node was up (their stagers started).
+    mounted: Instant,
 }
 
 impl<'d> Job<'d> {
@@ -360,6 +367,20 @@ impl<'d> Job<'d> {
         known: Known,
     ) -> Job<'d> {
         let world = secrets.len();
+        // The first epochs' orders, before the nodes are up: computing them while they are
+        // would take the processors from them.
+        let orders = (0..world)
+            .flat_map(|node| (0..EPOCHS_PREPARED).map(move |epoch| (node, epoch)))
+            .flat_map(|(node, epoch)| {
+                let paths = (
+                    (node, epoch, false),
+                    order_of(data, world, node, epoch, &["--paths"]),
+                );
+                let indices = (known == Known::Announced)
+                    .then(|| ((node, epoch, true), order_of(data, world, node, epoch, &[])));
+                std::iter::once(paths).chain(indices)
+            })
+            .collect();
         let ports = free_ports(world);
         let peers = peer_list(&ports);
         let cache_size = (2 * data.total / world as u64).to_string();
@@ -417,6 +438,8 @@ impl<'d> Job<'d> {
             world,
             known,
             whole: Default::default(),
+            orders: std::sync::Mutex::new(orders),
+            mounted: Instant::now(),
         }
     }
 
@@ -440,24 +463,12 @@ impl<'d> Job<'d> {
     }
 
     fn order_as(&self, node: usize, epoch: u64, how: &[&str]) -> Vec<String> {
-        let (world, rank, epoch) = (self.world.to_string(), node.to_string(), epoch.to_string());
-        let mut args = vec![
-            "--sampler",
-            "torch-distributed",
-            "--seed",
-            "0",
-            "--world-size",
-            &world,
-            "--rank",
-            &rank,
-            "--epoch",
-            &epoch,
-            "--source",
-            self.data.backing.to_str().unwrap(),
-        ];
-        args.extend_from_slice(how);
-        let order = stagefs_order(&args);
-        assert_eq!(order.len(), self.data.files.len() / self.world);
+        let key = (node, epoch, how.is_empty());
+        if let Some(order) = self.orders.lock().unwrap().get(&key) {
+            return order.clone();
+        }
+        let order = order_of(self.data, self.world, node, epoch, how);
+        self.orders.lock().unwrap().insert(key, order.clone());
         order
     }
 
@@ -561,6 +572,30 @@ impl<'d> Job<'d> {
         }
         readings
     }
+}
+
+/// Rank `node`'s order of `epoch` in a world of `world` (`how`: `--paths`, or nothing for
+/// sample indices).
+fn order_of(data: &Data, world: usize, node: usize, epoch: u64, how: &[&str]) -> Vec<String> {
+    let (world_arg, rank, epoch) = (world.to_string(), node.to_string(), epoch.to_string());
+    let mut args = vec![
+        "--sampler",
+        "torch-distributed",
+        "--seed",
+        "0",
+        "--world-size",
+        &world_arg,
+        "--rank",
+        &rank,
+        "--epoch",
+        &epoch,
+        "--source",
+        data.backing.to_str().unwrap(),
+    ];
+    args.extend_from_slice(how);
+    let order = stagefs_order(&args);
+    assert_eq!(order.len(), data.files.len() / world);
+    order
 }
 
 fn peer_list(ports: &[u16]) -> String {
@@ -678,7 +713,12 @@ fn three_epochs_mostly_from_peers(job: &Job) -> Vec<(f64, u64, u64)> {
     let mut read_in = Vec::new();
     let mut measured = Vec::new();
     for epoch in 0..3 {
-        let started = Instant::now();
+        // Epoch 0 from when the nodes were up: their stagers started then.
+        let started = if epoch == 0 {
+            job.mounted
+        } else {
+            Instant::now()
+        };
         let readings = job.read_epoch(epoch, &all, None);
         let took = started.elapsed();
         let now = job.summed(&all);
