@@ -108,7 +108,11 @@ impl Split {
         nodes: usize,
         node: usize,
     ) -> Result<Split, PlacementError> {
-        if nodes == 0 || nodes > NOBODY as usize || !(world_size as usize).is_multiple_of(nodes) {
+        if nodes == 0
+            || nodes > NOBODY as usize
+            || (world_size as usize) < nodes
+            || !(world_size as usize).is_multiple_of(nodes)
+        {
             return Err(PlacementError::World {
                 world: world_size,
                 nodes,

@@ -417,7 +417,14 @@ impl Stager {
             return Ok(false);
         }
         log::info!("epoch {epoch} announced whole ({size} ranks)");
-        inner.plan_peers(&inner.plan.generation(), &[epoch, epoch + 1]);
+        // Only epochs the reader is in or about to be in have needs to tell: an epoch far off
+        // costs nothing more than keeping it.
+        let reader = inner.core.lock().tracker().epoch_position().0;
+        let near: Vec<u64> = [epoch, epoch + 1]
+            .into_iter()
+            .filter(|e| (reader..=reader + 2).contains(e))
+            .collect();
+        inner.plan_peers(&inner.plan.generation(), &near);
         Ok(true)
     }
 
