@@ -22,7 +22,7 @@ use crate::catalog::Attributes;
 use crate::peers::{
     Expected, Fallback, FetchError, Held, Holder, Peers, Placement, Readers, Split,
 };
-use crate::plan::{Generation, NEVER, Plan, Prediction};
+use crate::plan::{Generation, NEVER, Plan, Prediction, World};
 
 /// Epochs whose readers are kept: the one before the reader's (who holds its files), its own
 /// and the next (what the peers will fetch).
@@ -51,6 +51,13 @@ struct Placed {
     told: Vec<u64>,
 }
 
+/// Where an epoch's readers come from: the prediction's order with every rank, or the epoch
+/// as the job announced it whole.
+enum Whole {
+    Computed(Arc<Placement>),
+    Announced(Arc<World>, Split),
+}
+
 /// A copy from a peer that did not come, as the cache sees it.
 enum PeerCopyError {
     Fetch(FetchError),
@@ -71,11 +78,14 @@ impl Peering {
         }
     }
 
-    /// `placed` made `generation`'s: its placement computed (if an order's) and what was
-    /// known of the one before dropped.
-    fn renew(&self, placed: &mut Placed, generation: &Generation) {
-        if placed.generation == Some(generation.id) {
-            return;
+    /// `placed` made `generation`'s if it is newer: its placement computed (if an order's)
+    /// and what was known of the one before dropped. `false` for an older generation (a
+    /// caller still holding it): nothing of it is computed or kept.
+    fn renew(&self, placed: &mut Placed, generation: &Generation) -> bool {
+        match placed.generation {
+            Some(id) if id == generation.id => return true,
+            Some(id) if id > generation.id => return false,
+            _ => {}
         }
         *placed = Placed {
             generation: Some(generation.id),
@@ -88,6 +98,7 @@ impl Peering {
                 Err(e) => self.say_once(placed, &e),
             }
         }
+        true
     }
 
     fn say_once(&self, placed: &mut Placed, why: &dyn std::fmt::Display) {
@@ -100,8 +111,7 @@ impl Peering {
     /// only.
     fn first_told(&self, generation: &Generation, epoch: u64) -> bool {
         let mut placed = self.placed.lock();
-        self.renew(&mut placed, generation);
-        if placed.told.contains(&epoch) {
+        if !self.renew(&mut placed, generation) || placed.told.contains(&epoch) {
             return false;
         }
         if placed.told.len() >= READERS_KEPT {
@@ -120,20 +130,26 @@ impl Peering {
         epoch: u64,
         id_space: usize,
     ) -> Option<Arc<Readers>> {
-        let (placement, world) = {
+        let whole = {
             let mut placed = self.placed.lock();
-            self.renew(&mut placed, generation);
+            if !self.renew(&mut placed, generation) {
+                return None;
+            }
             match &generation.prediction {
                 Prediction::Configured(_) | Prediction::Detected(_) => {
-                    (Some(placed.placement.clone()?), None)
+                    Whole::Computed(placed.placement.clone()?)
                 }
                 Prediction::Announced(Some(_)) => {
-                    (None, Some(self.announced(&mut placed, plan, epoch)?))
+                    let (world, split) = self.announced(&mut placed, plan, epoch)?;
+                    Whole::Announced(world, split)
                 }
                 _ => return None,
             }
         };
-        let version = world.as_ref().map_or(0, |(w, _)| w.version);
+        let version = match &whole {
+            Whole::Computed(_) => 0,
+            Whole::Announced(world, _) => world.version,
+        };
         let cached = |placed: &Placed| {
             (placed.readers.iter())
                 .find(|(v, r)| (r.epoch, *v) == (epoch, version))
@@ -143,10 +159,9 @@ impl Peering {
             return Some(r);
         }
         // Computed off the lock: an epoch of a large dataset takes a moment.
-        let readers = Arc::new(match (&placement, &world) {
-            (Some(p), _) => p.readers(epoch, id_space),
-            (None, Some((world, split))) => split.readers(epoch, &world.files, id_space),
-            (None, None) => return None,
+        let readers = Arc::new(match &whole {
+            Whole::Computed(placement) => placement.readers(epoch, id_space),
+            Whole::Announced(world, split) => split.readers(epoch, &world.files, id_space),
         });
         let mut placed = self.placed.lock();
         if placed.generation != Some(generation.id) {
@@ -174,7 +189,7 @@ impl Peering {
         placed: &mut Placed,
         plan: &Plan,
         epoch: u64,
-    ) -> Option<(Arc<crate::plan::World>, Split)> {
+    ) -> Option<(Arc<World>, Split)> {
         let world = plan.world(epoch)?;
         let settings = self.peers.settings();
         let ranks = plan.fed_ranks(epoch);
