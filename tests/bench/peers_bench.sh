@@ -82,7 +82,7 @@ run() {
       "${flags[@]}" --rank "$i" "${own[@]}" &
   done
   wait
-  local source_before=0 peer_before=0 epoch
+  local source_before=0 peer_before=0 misses_before=0 epoch
   for epoch in $(seq 0 $((EPOCHS - 1))); do
     sync
     echo 3 >/proc/sys/vm/drop_caches
@@ -93,15 +93,16 @@ run() {
         (cd "$WORK/m$i" && xargs -d '\n' cat >/dev/null) &
     done
     wait
-    local seconds source peer
+    local seconds source peer misses
     seconds=$(echo "$(date +%s.%N) - $started" | bc)
     source=$(summed source_bytes)
     peer=$(summed peer_bytes)
-    printf '%-6s epoch %s: %6.2f s  from SOURCE %7.1f MB (%5.1f%% of the dataset)  from peers %7.1f MB\n' \
+    misses=$(summed misses)
+    printf '%-6s epoch %s: %6.2f s  from SOURCE %7.1f MB (%5.1f%% of the dataset)  from peers %7.1f MB  misses %5d\n' \
       "$name" "$epoch" "$seconds" "$(echo "($source - $source_before) / 1000000" | bc -l)" \
       "$(echo "100 * ($source - $source_before) / $total" | bc -l)" \
-      "$(echo "($peer - $peer_before) / 1000000" | bc -l)"
-    source_before=$source peer_before=$peer
+      "$(echo "($peer - $peer_before) / 1000000" | bc -l)" "$((misses - misses_before))"
+    source_before=$source peer_before=$peer misses_before=$misses
   done
   unmount_all
 }
