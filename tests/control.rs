@@ -60,6 +60,10 @@ fn bad_announcements_get_one_clear_line_and_change_nothing() {
             "none of the 4 paths is a file on this mount",
         ),
         (
+            json!({"op": "order", "epoch": 18014398509481985u64, "rank": 0, "world_size": 2, "current": true, "indices": [1]}),
+            "epoch 18014398509481985 is beyond any job's",
+        ),
+        (
             json!({"op": "world", "epoch": 0, "world_size": 0, "indices": [1]}),
             "the world size 0 is no job's",
         ),

@@ -38,7 +38,7 @@ import sys
 import threading
 
 from . import opens
-from .channel import Channel, ChannelBusy, ChannelError, mount_of
+from .channel import Channel, ChannelBusy, ChannelError, ChannelRefused, mount_of
 
 __all__ = ["install", "installed"]
 
@@ -56,6 +56,8 @@ _epochs = {}
 _targets = {}
 # Mounts that failed or refused: no more announcements to them from this process.
 _disabled = set()
+# Samplers (by id) whose epochs cannot be announced whole: not tried again.
+_no_whole_epochs = set()
 # Mounts that failed a batch open: no more batch opens on them from this process.
 _no_batch_opens = set()
 # What the daemon takes in one announcement (its MAX_ANNOUNCED).
@@ -371,25 +373,42 @@ def _send_whole_epoch(channel, dataset, stream, epoch, holder, own, offset, to_b
     """Announces the whole of `epoch` of DistributedSampler `holder` (its epoch, or the next
     one with `offset` 1): every rank's share, rank r of W reading every W-th index from r.
     Computed by the sampler's own code on a copy that reads for a world of one; sent only if
-    this rank's share of it is what the rank reads (`own`)."""
-    whole = copy.copy(holder)
-    whole.num_replicas, whole.rank, whole.num_samples = 1, 0, holder.total_size
-    whole.set_epoch(holder.epoch + offset)
-    # DistributedSampler draws from a generator of its own: no random state of the job moves.
-    indices = [int(i) for i in whole]
-    share = indices[holder.rank::holder.num_replicas]
-    if len(indices) != holder.total_size or share[:len(own)] != own:
-        return _warn(("whole", type(holder).__name__),
-                     "the sampler's epoch as a whole does not give this rank's share; "
-                     "the mount's peers stage this job's files from the source")
-    message = {
-        "op": "world",
-        "epoch": epoch,
-        "world_size": holder.num_replicas,
-        "shuffled": stream["shuffled"],
-        "indices": to_base(indices),
-    }
-    channel.request(_for_stream(message, dataset, stream))
+    this rank's share of it is what the rank reads (`own`). A failure here costs the mount's
+    peers this epoch and nothing else: the orders go on."""
+    if id(holder) in _no_whole_epochs:
+        return
+    try:
+        whole = copy.copy(holder)
+        whole.num_replicas, whole.rank, whole.num_samples = 1, 0, holder.total_size
+        whole.set_epoch(holder.epoch + offset)
+        if holder.total_size > MAX_ANNOUNCED:
+            raise ValueError(f"an epoch of {holder.total_size} samples is more than stagefs takes whole")
+        # DistributedSampler draws from a generator of its own: no random state of the job moves.
+        indices = [int(i) for i in whole]
+        share = indices[holder.rank::holder.num_replicas]
+        if len(indices) != holder.total_size or share[:len(own)] != own:
+            raise ValueError("the sampler's epoch as a whole does not give this rank's share")
+        message = {
+            "op": "world",
+            "epoch": epoch,
+            "world_size": holder.num_replicas,
+            "shuffled": stream["shuffled"],
+            "indices": to_base(indices),
+        }
+        channel.request(_for_stream(message, dataset, stream))
+    except ChannelBusy:
+        raise  # the channel itself: as for the orders
+    except ChannelError as e:
+        if not isinstance(e, ChannelRefused):
+            raise
+        with _lock:
+            _no_whole_epochs.add(id(holder))
+        _warn(("whole", "refused"), f"{e}; the mount's peers stage this job's files from the source")
+    except Exception as e:
+        with _lock:
+            _no_whole_epochs.add(id(holder))
+        _warn(("whole", type(e).__name__),
+              f"cannot announce the epoch whole: {e}; the mount's peers stage this job's files from the source")
 
 
 def _shuffles(sampler, depth=0):

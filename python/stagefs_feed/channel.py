@@ -43,6 +43,10 @@ class ChannelError(Exception):
     """The mount could not be told: gone, refused, or it answered with an error."""
 
 
+class ChannelRefused(ChannelError):
+    """The daemon answered the request with a refusal: the connection itself still works."""
+
+
 class ChannelBusy(ChannelError):
     """The daemon has too many connections now; later may do."""
 
@@ -213,7 +217,7 @@ class Channel:
             raise ChannelError(f"the stagefs mount at {self.mountpoint} answered garbage")
         if not reply.get("ok"):
             why = str(reply.get("error", "no reason given"))[:500]
-            error = ChannelBusy if "too many connections" in why else ChannelError
+            error = ChannelBusy if "too many connections" in why else ChannelRefused
             raise error(f"the stagefs mount at {self.mountpoint} refused: {why}")
         return reply
 

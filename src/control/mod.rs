@@ -24,6 +24,7 @@ mod protocol;
 mod server;
 mod service;
 
+use crate::plan::MAX_FED_EPOCH;
 pub use limits::Limits;
 pub use protocol::{MAX_BATCH, Reply, Request};
 pub use server::ControlServer;
@@ -58,6 +59,8 @@ pub enum ControlError {
 pub enum RequestError {
     #[error("not a valid request: {0}")]
     Invalid(#[from] serde_json::Error),
+    #[error("epoch {0} is beyond any job's (at most {MAX_FED_EPOCH})")]
+    EpochBeyond(u64),
     #[error("rank {rank} is not below the world size {world_size}")]
     Rank { rank: u32, world_size: u32 },
     #[error("more than {max} {what} in one request")]

@@ -37,7 +37,8 @@ pub enum Request {
     /// ranks: rank `r` of `world_size` reads `indices[r]`, `indices[r + world_size]`, ...
     /// Indices, `dataset`, `root` and `shuffled` as in [`Request::Order`]. A mount with peers
     /// asks for it in its reply to an order (`"world": true`): the job's files are placed on
-    /// its nodes with it.
+    /// its nodes with it. Answered `"kept"`: false unless the mount has peers, follows this
+    /// stream, and each of its ranks that announced `epoch` has its share in it.
     World {
         epoch: u64,
         world_size: u32,

@@ -174,7 +174,7 @@ impl Session for ControlSession {
                 shuffled,
                 indices,
             } => {
-                self.may_announce(&data, world_size)?;
+                self.may_announce(&data, epoch, world_size)?;
                 if rank >= world_size {
                     return Err(RequestError::Rank { rank, world_size });
                 }
@@ -197,7 +197,7 @@ impl Session for ControlSession {
                 shuffled,
                 indices,
             } => {
-                self.may_announce(&data, world_size)?;
+                self.may_announce(&data, epoch, world_size)?;
                 let (files, name, _) =
                     self.indexed(&data.catalog, dataset, root.as_deref(), &indices)?;
                 let stream = StreamKey { name, shuffled };
@@ -282,11 +282,20 @@ impl ControlSession {
         ))
     }
 
-    /// Refuses an announcement of a world of `world_size` ranks, and any announcement from
-    /// a user other than the owner to a mount that does not follow them.
-    fn may_announce(&self, data: &MountedDataset, world_size: u32) -> Result<(), RequestError> {
+    /// Refuses an announcement of `epoch` of a world of `world_size` ranks beyond any job's,
+    /// and any announcement from a user other than the owner to a mount that does not
+    /// follow them.
+    fn may_announce(
+        &self,
+        data: &MountedDataset,
+        epoch: u64,
+        world_size: u32,
+    ) -> Result<(), RequestError> {
         if world_size == 0 || world_size > MAX_WORLD_SIZE {
             return Err(RequestError::WorldSize(world_size));
+        }
+        if epoch > crate::plan::MAX_FED_EPOCH {
+            return Err(RequestError::EpochBeyond(epoch));
         }
         if !self.privileged && !data.stager.plan().is_fed() {
             return Err(self.owners_only("make it follow announcements"));

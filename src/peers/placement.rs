@@ -58,6 +58,8 @@ pub struct Placement {
 /// one node.
 pub struct Readers {
     pub epoch: u64,
+    /// The announcement of the epoch whole they come from (0: computed from an order).
+    pub version: u64,
     /// The node these readers are seen from.
     node: usize,
     node_of: Vec<u16>,
@@ -138,8 +140,14 @@ impl Split {
     }
 
     /// Who reads each file of `epoch`, whose whole order is `world` (rank `p % W` reads
-    /// position `p`), over file ids below `id_space`.
-    pub fn readers(&self, epoch: u64, world: &[MaybeFile], id_space: usize) -> Readers {
+    /// position `p`; `version` says which announcement of it), over file ids below
+    /// `id_space`.
+    pub fn readers(
+        &self,
+        (epoch, version): (u64, u64),
+        world: &[MaybeFile],
+        id_space: usize,
+    ) -> Readers {
         let world_size = self.world_size as usize;
         let per_node = self.ranks_per_node as usize;
         let mut node_of = vec![NOBODY; id_space];
@@ -155,6 +163,7 @@ impl Split {
         }
         Readers {
             epoch,
+            version,
             node: self.node,
             node_of,
             offset,
@@ -184,6 +193,6 @@ impl Placement {
 
     /// Who reads each file in `epoch`, over file ids below `id_space`.
     pub fn readers(&self, epoch: u64, id_space: usize) -> Readers {
-        (self.split).readers(epoch, &self.world.stream(epoch), id_space)
+        (self.split).readers((epoch, 0), &self.world.stream(epoch), id_space)
     }
 }

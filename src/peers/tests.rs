@@ -549,7 +549,7 @@ fn an_epoch_announced_whole_places_files_as_the_sampler_does() {
     let split = Split::new(world, &[3], nodes, 1).unwrap();
     let (computed, announced) = (
         placement.readers(2, n as usize),
-        split.readers(2, &whole, n as usize),
+        split.readers((2, 1), &whole, n as usize),
     );
     for file in 0..n {
         assert_eq!(computed.node_of(file), announced.node_of(file));

@@ -149,6 +149,14 @@ impl Feed {
         if !announced.ranks.contains_key(&rank) && announced.ranks.len() >= MAX_RANKS {
             return Err(FeedError::TooManyRanks { epoch });
         }
+        // Another share than before: the epoch as announced whole is another one's.
+        if announced
+            .ranks
+            .get(&rank)
+            .is_some_and(|before| *before != files)
+        {
+            announced.world = None;
+        }
         announced.ranks.insert(rank, files.clone());
         announced.version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         let longest = announced.ranks.values().map(|f| f.len()).max().unwrap_or(0);
@@ -159,7 +167,11 @@ impl Feed {
     }
 
     /// The whole of `epoch` of `stream` (see [`World`]), replacing what was announced of it
-    /// before; `false` (not kept) if `stream` is not the one followed.
+    /// before. `false` (not kept) unless `stream` is the one followed, some rank of this node
+    /// announced `epoch` (a whole epoch comes after a rank's share of it: one for an epoch
+    /// far from the job's would only take memory), and every such rank's files are its share
+    /// of `files` (rank `r` of `size` at `r`, `r + size`, ...; files the rank could not have
+    /// announced, missing).
     pub fn announce_world(
         &self,
         stream: &StreamKey,
@@ -171,19 +183,25 @@ impl Feed {
         if !st.followed.as_ref().is_some_and(|(key, _)| key == stream) {
             return Ok(false);
         }
-        st.epochs.retain(|&e, _| e.abs_diff(epoch) < KEPT_EPOCHS);
-        let replaced = (st.epochs.get(&epoch))
-            .and_then(|a| a.world.as_ref())
-            .map_or(0, |w| w.files.len());
+        let Some(announced) = st.epochs.get(&epoch) else {
+            return Ok(false);
+        };
+        let shares =
+            (announced.ranks.iter()).all(|(&rank, own)| is_share_of(own, &files, rank, size));
+        if !shares {
+            return Ok(false);
+        }
+        let replaced = announced.world.as_ref().map_or(0, |w| w.files.len());
         if st.held() - replaced + files.len() > MAX_HELD {
             return Err(FeedError::TooLarge);
         }
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
-        st.epochs.entry(epoch).or_default().world = Some(Arc::new(World {
+        let world = Arc::new(World {
             size,
             files,
             version,
-        }));
+        });
+        st.epochs.entry(epoch).or_default().world = Some(world);
         Ok(true)
     }
 
@@ -259,6 +277,18 @@ impl Feed {
         }
         out
     }
+}
+
+/// Whether `own` (what `rank` announced) is, in order, among its share of `whole` (rank
+/// `rank` of `size` reads positions `rank`, `rank + size`, ...): all of it, or all but the
+/// files the rank dropped (ones it may not read, or no file of the catalog).
+fn is_share_of(own: &[FileId], whole: &[MaybeFile], rank: u32, size: u32) -> bool {
+    if rank >= size {
+        return false;
+    }
+    let mut share =
+        (whole.iter().skip(rank as usize).step_by(size as usize)).filter_map(|f| f.get());
+    own.iter().all(|f| share.any(|g| g == *f))
 }
 
 impl FeedState {
@@ -418,8 +448,9 @@ mod tests {
         files.iter().map(|&f| MaybeFile::from(f)).collect()
     }
 
-    /// An epoch announced whole is kept for the followed stream only, counts against what
-    /// the feed holds, a newer one replaces it, and it goes with its epoch or a switch.
+    /// An epoch announced whole is kept for the followed stream only, after a rank's share of
+    /// it and only if it holds that share; it counts against what the feed holds, a newer one
+    /// replaces it, and it goes with its epoch, a changed share or a switch.
     #[test]
     fn whole_epochs_are_kept_for_the_followed_stream_within_bounds() {
         let feed = Feed::default();
@@ -432,7 +463,21 @@ mod tests {
             Ok(false)
         );
         feed.announce(&train(), 0, 0, vec![1, 3].into()).unwrap();
-        assert_eq!(feed.announce_world(&val, 0, 2, whole(&[1, 2])), Ok(false));
+        assert_eq!(
+            feed.announce_world(&val, 0, 2, whole(&[1, 2, 3, 4])),
+            Ok(false)
+        );
+        // Not before a share of it, nor without the share (another size, other files).
+        assert_eq!(
+            feed.announce_world(&train(), 1, 2, whole(&[1, 2])),
+            Ok(false)
+        );
+        for (size, files) in [(2, [1, 2, 4, 3]), (3, [1, 2, 3, 4]), (2, [3, 2, 1, 4])] {
+            assert_eq!(
+                feed.announce_world(&train(), 0, size, whole(&files)),
+                Ok(false)
+            );
+        }
         assert!(feed.world(0).is_none());
         assert_eq!(
             feed.announce_world(&train(), 0, 2, whole(&[1, 2, 3, 4])),
@@ -440,28 +485,42 @@ mod tests {
         );
         let first = feed.world(0).unwrap();
         assert_eq!((first.size, first.files.len()), (2, 4));
+        // A share with files the rank dropped (unreadable) is still its share.
+        assert_eq!(
+            feed.announce_world(&train(), 0, 2, whole(&[1, 9, 8, 7, 3, 6])),
+            Ok(true)
+        );
         // Plans stay: a whole epoch changes no rank's stream.
         let version = feed.version_of(0);
-        feed.announce_world(&train(), 0, 2, whole(&[4, 3, 2, 1]))
+        feed.announce_world(&train(), 0, 2, whole(&[1, 2, 3, 4]))
             .unwrap();
         let second = feed.world(0).unwrap();
         assert!(second.version > first.version);
-        assert_eq!(second.files[0], MaybeFile::from(4));
         assert_eq!(feed.version_of(0), version);
         // What it holds counts: one more file than the bound is refused, and changes nothing.
-        let too_many: Arc<[MaybeFile]> = vec![MaybeFile::new(None); MAX_HELD - 1].into();
+        let mut too_many = vec![MaybeFile::new(None); MAX_HELD - 1];
+        too_many[0] = MaybeFile::from(1);
+        too_many[2] = MaybeFile::from(3);
         assert_eq!(
-            feed.announce_world(&train(), 1, 2, too_many),
+            feed.announce_world(&train(), 0, 2, too_many.into()),
             Err(FeedError::TooLarge)
         );
-        assert!(feed.world(1).is_none());
         assert_eq!(feed.world(0).unwrap().version, second.version);
+        // The same share again keeps it; another share drops it.
+        feed.announce(&train(), 0, 0, vec![1, 3].into()).unwrap();
+        assert!(feed.world(0).is_some());
+        feed.announce(&train(), 0, 0, vec![3, 1].into()).unwrap();
+        assert!(feed.world(0).is_none());
         // Gone with its epoch, and with the stream when another one is followed.
+        feed.announce_world(&train(), 0, 2, whole(&[3, 2, 1, 4]))
+            .unwrap();
         feed.announce(&train(), KEPT_EPOCHS, 0, vec![1].into())
             .unwrap();
         assert!(feed.world(0).is_none());
-        feed.announce_world(&train(), KEPT_EPOCHS, 2, whole(&[1, 2]))
-            .unwrap();
+        assert!(
+            feed.announce_world(&train(), KEPT_EPOCHS, 2, whole(&[1, 2]))
+                .unwrap()
+        );
         let bigger = StreamKey {
             name: "big".into(),
             shuffled: true,

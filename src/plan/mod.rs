@@ -47,6 +47,10 @@ pub const NEVER: Position = Position::MAX;
 /// that far (the positions of an epoch plan are u32 offsets in any case).
 const MAX_FED_EPOCH_LEN: u64 = 1 << 28;
 
+/// Largest epoch a job may announce: positions up to the end of the epoch after it fit in 64
+/// bits at the longest fed epoch (else the tracker would walk ~2^64 positions to reach it).
+pub const MAX_FED_EPOCH: u64 = u64::MAX / MAX_FED_EPOCH_LEN - 2;
+
 /// Epoch plans kept: the reader's epoch and the next one, which is all the engine looks at
 /// (12 bytes per sample each, so this bounds the plans' memory).
 const CACHED_EPOCHS: usize = 2;

@@ -43,12 +43,12 @@ struct Placed {
     placement: Option<Arc<Placement>>,
     /// Why this generation's order cannot be placed was said in the log.
     said: bool,
-    /// Readers of recent epochs, with the version of the announced epoch they come from (0
-    /// for a computed order).
-    readers: Vec<(u64, Arc<Readers>)>,
-    /// The epochs whose needs the core was told: once, so a need met (the peer fetched the
-    /// file) is not pinned again when the epoch is planned again.
-    told: Vec<u64>,
+    /// Readers of recent epochs.
+    readers: Vec<Arc<Readers>>,
+    /// The epochs whose needs the core was told, with the version of the epoch's readers:
+    /// once, so a need met (the peer fetched the file) is not pinned again when the epoch is
+    /// planned again; again if the job announced the epoch whole anew.
+    told: Vec<(u64, u64)>,
 }
 
 /// Where an epoch's readers come from: the prediction's order with every rank, or the epoch
@@ -107,17 +107,19 @@ impl Peering {
         }
     }
 
-    /// Whether the needs of `epoch` under `generation` are to be told now: the first time
-    /// only.
-    fn first_told(&self, generation: &Generation, epoch: u64) -> bool {
+    /// Whether the needs of `next`'s epoch under `generation` are to be told now: the first
+    /// time for its version only.
+    fn first_told(&self, generation: &Generation, next: &Readers) -> bool {
         let mut placed = self.placed.lock();
-        if !self.renew(&mut placed, generation) || placed.told.contains(&epoch) {
+        let key = (next.epoch, next.version);
+        if !self.renew(&mut placed, generation) || placed.told.contains(&key) {
             return false;
         }
+        placed.told.retain(|&(epoch, _)| epoch != next.epoch);
         if placed.told.len() >= READERS_KEPT {
             placed.told.remove(0);
         }
-        placed.told.push(epoch);
+        placed.told.push(key);
         true
     }
 
@@ -152,8 +154,8 @@ impl Peering {
         };
         let cached = |placed: &Placed| {
             (placed.readers.iter())
-                .find(|(v, r)| (r.epoch, *v) == (epoch, version))
-                .map(|(_, r)| r.clone())
+                .find(|r| (r.epoch, r.version) == (epoch, version))
+                .cloned()
         };
         if let Some(r) = cached(&self.placed.lock()) {
             return Some(r);
@@ -161,7 +163,9 @@ impl Peering {
         // Computed off the lock: an epoch of a large dataset takes a moment.
         let readers = Arc::new(match &whole {
             Whole::Computed(placement) => placement.readers(epoch, id_space),
-            Whole::Announced(world, split) => split.readers(epoch, &world.files, id_space),
+            Whole::Announced(world, split) => {
+                split.readers((epoch, version), &world.files, id_space)
+            }
         });
         let mut placed = self.placed.lock();
         if placed.generation != Some(generation.id) {
@@ -170,15 +174,15 @@ impl Peering {
         if let Some(r) = cached(&placed) {
             return Some(r);
         }
-        placed.readers.retain(|(_, r)| r.epoch != epoch);
+        placed.readers.retain(|r| r.epoch != epoch);
         if placed.readers.len() >= READERS_KEPT {
             let oldest = (placed.readers.iter().enumerate())
-                .min_by_key(|(_, (_, r))| r.epoch)
+                .min_by_key(|(_, r)| r.epoch)
                 .map(|(i, _)| i)
                 .unwrap_or(0);
             placed.readers.remove(oldest);
         }
-        placed.readers.push((version, readers.clone()));
+        placed.readers.push(readers.clone());
         Some(readers)
     }
 
@@ -219,7 +223,7 @@ impl Inner {
             ) else {
                 continue;
             };
-            if !peering.first_told(generation, epoch) {
+            if !peering.first_told(generation, &next) {
                 continue;
             }
             let needs = (held.needs(&next).into_iter())

@@ -17,6 +17,8 @@ import stagefs_feed
 
 N = 97
 sent = []
+# Whether FakeChannel refuses whole epochs, as a mount does one over its limits.
+refuse_worlds = False
 
 
 def fake_target(dataset):
@@ -31,6 +33,8 @@ class FakeChannel:
 
     def request(self, message):
         sent.append(message)
+        if refuse_worlds and message["op"] == "world":
+            raise stagefs_feed.ChannelRefused("refused: the announced orders would hold too many files")
         # As a mount with peers answers an order: send the epoch whole.
         return {"ok": True, "world": message["op"] == "order"}
 
@@ -131,6 +135,26 @@ def run(make, hook, epochs=3, epoch_hook=None, interruption=None):
     return order, torch.rand(2).tolist()
 
 
+def refused_worlds_failures():
+    """A whole epoch the mount refuses costs its peers and nothing else: every epoch's order
+    is still announced, and the hook does not try that sampler again."""
+    global refuse_worlds
+    name, make, epoch_hook = [loader for loader in loaders() if loader[0].startswith("DistributedSampler")][0]
+    sent.clear()
+    stagefs_feed._epochs.clear()
+    refuse_worlds = True
+    try:
+        run(make, True, epoch_hook=epoch_hook)
+    finally:
+        refuse_worlds = False
+    orders = sorted((m["epoch"], m["current"]) for m in sent if m["op"] == "order")
+    worlds = [m for m in sent if m["op"] == "world"]
+    if orders != [(0, True), (1, False), (1, True), (2, False), (2, True), (3, False)] or len(worlds) != 1:
+        print(f"{name}, whole epochs refused: orders {orders}, {len(worlds)} whole epochs tried", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main():
     plain = {
         (name, i): run(make, False, epoch_hook=eh, interruption=i)
@@ -170,6 +194,7 @@ def main():
             if epoch + 1 < 3 and ahead.get(epoch + 1) != order[epoch + 1]:
                 print(f"{name}: epoch {epoch + 1} announced ahead wrong", file=sys.stderr)
                 failures += 1
+    failures += refused_worlds_failures()
     if run(short_loader, True) != plain_short:
         print("a sampler shorter than its len(): the hook changed what the job drew", file=sys.stderr)
         failures += 1
