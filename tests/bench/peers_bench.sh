@@ -39,20 +39,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# The dataset: FILES files of ~110 KB in 20 classes (as bench_cmd.sh makes it).
+# The dataset: FILES files of ~110 KB in 20 classes (tests/bench/dataset.sh).
+# shellcheck source=tests/bench/dataset.sh
+source tests/bench/dataset.sh
 GLUSTER_MOUNT_OPTIONS=direct-io-mode=enable "$GLUSTER" up "$VOLUME" "$WORK/bricks" "$WORK/gluster" >/dev/null
 gluster --mode=script volume set "$VOLUME" performance.quick-read off >/dev/null
-/usr/bin/python3 - "$WORK/gluster" "$FILES" <<'EOF'
-import os, random, sys
-root, files = sys.argv[1], int(sys.argv[2])
-rng = random.Random(0)
-for i in range(files):
-    d = os.path.join(root, f"class{i % 20:03d}")
-    os.makedirs(d, exist_ok=True)
-    size = 20_000 + rng.randrange(180_000) + (100_000 if rng.randrange(7) == 0 else 0)
-    with open(os.path.join(d, f"img{i:06d}.jpg"), "wb") as f:
-        f.write(rng.randbytes(size))
-EOF
+make_dataset "$WORK/gluster" "$FILES"
 total=$(du -sb --apparent-size "$WORK/gluster" | cut -f1)
 cache=$((2 * total / NODES))
 head -c 32 /dev/urandom | base64 >"$WORK/secret"
