@@ -506,6 +506,26 @@ impl<'d> Job<'d> {
         }
     }
 
+    /// As a real job's ranks start at different times: `node`'s job alone has announced its
+    /// first epochs, until its mount asked the others (who know nothing of the job yet) for
+    /// a file of epoch 1. They must say "later", not "not held", or it reads from SOURCE what
+    /// its peers are about to hold.
+    fn first_starts_alone(&self, node: usize) {
+        let asked = || {
+            let c = self.counters(node);
+            c.peer_deferrals + c.peer_fallbacks + c.peer_files > 0
+        };
+        let until = Instant::now() + Duration::from_secs(20);
+        while !asked() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            asked(),
+            "node {node} did not ask its peers for a file of epoch 1 within 20 s: {}",
+            self.counters(node).line()
+        );
+    }
+
     fn counters(&self, node: usize) -> Peering {
         Peering::of(&self.nodes[node].stats())
     }
@@ -524,8 +544,11 @@ impl<'d> Job<'d> {
         interrupt: Option<Interrupt<'_>>,
     ) -> Vec<Reading> {
         if self.known == Known::Announced {
-            for &node in nodes {
+            for (i, &node) in nodes.iter().enumerate() {
                 self.announce(node, epoch);
+                if epoch == 0 && i == 0 {
+                    self.first_starts_alone(node);
+                }
             }
         }
         let orders: Vec<Vec<String>> = nodes.iter().map(|&n| self.order(n, epoch)).collect();
@@ -1002,8 +1025,6 @@ struct Answer {
     body: Vec<u8>,
 }
 
-/// `GET /copy/<hex>` at 127.0.0.1:`port` with curl over cleartext HTTP/2 (prior knowledge),
-/// with `token` in x-stagefs-token if given.
 /// `GET /PATH` of node `port` with `headers`, over HTTP/2 (curl, a client other than ours).
 fn curl_get(dir: &Path, port: u16, path: &str, extra: &[String]) -> Answer {
     let body = dir.join("curl-body");
@@ -1180,7 +1201,7 @@ fn a_client_without_the_secret_or_outside_the_catalog_gets_nothing() {
             let a = curl_get(
                 dir,
                 port,
-                &format!("copy/{}", hex(path.as_bytes())),
+                &format!("copy/1/{}", hex(path.as_bytes())),
                 headers,
             );
             asked += 1;
@@ -1194,7 +1215,7 @@ fn a_client_without_the_secret_or_outside_the_catalog_gets_nothing() {
             );
         }
     }
-    let a = curl_get(dir, port, "copy/zz-not-hex", &[]);
+    let a = curl_get(dir, port, "copy/1/zz-not-hex", &[]);
     assert_eq!(a.status, 403, "a path that is not hex: {}", a.headers);
     let refused = job.counters(0).since(&before).served_refused;
     assert!(

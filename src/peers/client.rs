@@ -22,7 +22,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use super::auth::{self, CHALLENGE_HEADER, PROOF_HEADER, SEAL_HEADER, SEQ_HEADER};
 use super::server::said_by;
-use super::{Fallback, FetchError, Key, PeerSettings, encode_path};
+use super::{Fallback, FetchError, Key, PeerSettings, encode_copy};
 
 /// Connections kept to each peer: requests are multiplexed on each, and two spread the load of
 /// one connection's flow control and framing over two server threads.
@@ -84,11 +84,11 @@ impl Client {
         down.is_none_or(|until| Instant::now() >= until)
     }
 
-    /// Fetches `relative` from `node` into `sink` within the timeout.
+    /// Fetches `relative`, which `node` reads in `epoch`, into `sink` within the timeout.
     pub async fn fetch(
         &self,
         node: usize,
-        relative: &Path,
+        asked: (&Path, u64),
         expected: &Expected,
         sink: &mut dyn Write,
     ) -> Result<(u64, u128), FetchError> {
@@ -96,7 +96,7 @@ impl Client {
             return Err(FetchError::Failed(Fallback::Unreachable));
         }
         let link = &self.links[node];
-        let fetched = tokio::time::timeout(self.timeout, self.get(link, relative, expected, sink));
+        let fetched = tokio::time::timeout(self.timeout, self.get(link, asked, expected, sink));
         let result = fetched
             .await
             .unwrap_or(Err(FetchError::Failed(Fallback::Timeout)));
@@ -112,13 +112,13 @@ impl Client {
     async fn get(
         &self,
         link: &Link,
-        relative: &Path,
+        (relative, epoch): (&Path, u64),
         expected: &Expected,
         sink: &mut dyn Write,
     ) -> Result<(u64, u128), FetchError> {
         let unreachable = FetchError::Failed(Fallback::Unreachable);
         let mut connection = self.connection(link).await.ok_or(unreachable)?;
-        let path = encode_path(relative);
+        let path = encode_copy(relative, epoch);
         let asked = auth::Request {
             challenge: &connection.challenge,
             seq: connection.seq.fetch_add(1, Ordering::Relaxed) + 1,

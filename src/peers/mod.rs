@@ -161,8 +161,10 @@ pub enum Held {
 /// What serves peers: the node's stager, which knows what it holds.
 pub trait Holder: Send + Sync {
     /// What this node has of the catalog file at `relative` (a path beneath SOURCE, made
-    /// only of normal components). Called off the async runtime: may block briefly.
-    fn held(&self, relative: &Path) -> Held;
+    /// only of normal components), which the asking node placed in this node's `epoch`: a
+    /// node that does not know its order of that epoch yet cannot say it will not read the
+    /// file. Called off the async runtime: may block briefly.
+    fn held(&self, relative: &Path, epoch: u64) -> Held;
 }
 
 /// A fetch that did not give a copy.
@@ -238,17 +240,19 @@ impl Peers {
         }
     }
 
-    /// Fetches `relative` from node `node` into `sink`, checked against `expected`; returns
-    /// the bytes and their checksum. Never takes longer than the peer timeout.
+    /// Fetches `relative`, which node `node` reads in `epoch`, into `sink`, checked against
+    /// `expected`; returns the bytes and their checksum. Never takes longer than the peer
+    /// timeout.
     pub fn fetch(
         &self,
         node: usize,
-        relative: &Path,
+        (relative, epoch): (&Path, u64),
         expected: &Expected,
         sink: &mut dyn std::io::Write,
     ) -> Result<(u64, u128), FetchError> {
         let runtime = self.runtime.as_ref().expect("runtime until dropped");
-        let result = runtime.block_on(self.client.fetch(node, relative, expected, sink));
+        let asked = self.client.fetch(node, (relative, epoch), expected, sink);
+        let result = runtime.block_on(asked);
         if let Ok((bytes, _)) = result {
             Counters::add(&self.counters.peer_files, 1);
             Counters::add(&self.counters.peer_bytes, bytes);
@@ -293,8 +297,14 @@ impl Drop for Peers {
     }
 }
 
-/// The relative path of a request: `/copy/<hex>`, decoded; only normal components.
-fn decode_path(hex: &str) -> Option<PathBuf> {
+/// What a copy request asks for, from its path `/copy/<epoch>/<hex of the relative path>`
+/// (less `/copy/`): the epoch in decimal, the path of only normal components.
+fn decode_copy(rest: &str) -> Option<(u64, PathBuf)> {
+    let (epoch, hex) = rest.split_once('/')?;
+    if epoch.is_empty() || epoch.len() > 20 || !epoch.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let epoch = epoch.parse().ok()?;
     if hex.is_empty() || hex.len() > 2 * 4096 {
         return None;
     }
@@ -304,14 +314,14 @@ fn decode_path(hex: &str) -> Option<PathBuf> {
     let normal = path
         .components()
         .all(|c| matches!(c, std::path::Component::Normal(_)));
-    normal.then_some(path)
+    normal.then_some((epoch, path))
 }
 
-/// The request path of `relative`.
-fn encode_path(relative: &Path) -> String {
+/// The request path asking for `relative` as read in `epoch`.
+fn encode_copy(relative: &Path, epoch: u64) -> String {
     let bytes = relative.as_os_str().as_encoded_bytes();
-    let mut out = String::with_capacity(6 + 2 * bytes.len());
-    out.push_str("/copy/");
+    let mut out = format!("/copy/{epoch}/");
+    out.reserve(2 * bytes.len());
     for b in bytes {
         out.push_str(&format!("{b:02x}"));
     }

@@ -26,7 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::auth::{self, Answer as Said, Replays};
 use super::body::{CHUNK, ChunkBody};
-use super::{Held, Holder, Key, PeerSettings, decode_path};
+use super::{Held, Holder, Key, PeerSettings, decode_copy};
 use crate::stats::Counters;
 
 pub const MAX_CONNECTIONS: usize = 256;
@@ -302,7 +302,7 @@ impl Server {
         }
         connection.authorized.store(true, Ordering::Relaxed);
         connection.progress.moved();
-        let Some(relative) = path.strip_prefix("/copy/").and_then(decode_path) else {
+        let Some((epoch, relative)) = path.strip_prefix("/copy/").and_then(decode_copy) else {
             self.refused(addr, "it asked for a malformed path");
             return self.sealed(&asked, not_held(""));
         };
@@ -312,7 +312,7 @@ impl Server {
         let Some(permits) = self.transfer_permits(addr.ip()).await else {
             return status(StatusCode::SERVICE_UNAVAILABLE);
         };
-        let held = tokio::task::spawn_blocking(move || holder.held(&relative)).await;
+        let held = tokio::task::spawn_blocking(move || holder.held(&relative, epoch)).await;
         let answer = match held {
             Ok(Held::Copy {
                 file,

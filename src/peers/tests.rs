@@ -55,7 +55,7 @@ impl FakeHolder {
 }
 
 impl Holder for FakeHolder {
-    fn held(&self, relative: &Path) -> Held {
+    fn held(&self, relative: &Path, _epoch: u64) -> Held {
         match self.files.lock().unwrap().get(relative).cloned() {
             Some(Fake::Bytes {
                 data,
@@ -114,7 +114,7 @@ fn fetch(peers: &Peers, path: &str, size: u64, identity: u64) -> Result<Vec<u8>,
     let mut sink = Vec::new();
     let expected = Expected { size, identity };
     peers
-        .fetch(1, Path::new(path), &expected, &mut sink)
+        .fetch(1, (Path::new(path), 0), &expected, &mut sink)
         .map(|_| sink)
 }
 
@@ -274,18 +274,30 @@ fn a_connection_without_the_secret_is_closed() {
 }
 
 #[test]
-fn paths_are_relative_and_normal() {
-    for path in ["a/b.jpg", "x", "dir with space/ü.png"] {
-        let encoded = encode_path(Path::new(path));
-        let hex = encoded.strip_prefix("/copy/").unwrap();
-        assert_eq!(decode_path(hex).unwrap(), Path::new(path));
+fn copy_requests_name_an_epoch_and_a_relative_normal_path() {
+    for (path, epoch) in [("a/b.jpg", 0), ("x", 7), ("dir with space/ü.png", u64::MAX)] {
+        let encoded = encode_copy(Path::new(path), epoch);
+        let rest = encoded.strip_prefix("/copy/").unwrap();
+        assert_eq!(decode_copy(rest).unwrap(), (epoch, PathBuf::from(path)));
     }
+    let hex = |p: &str| -> String { p.bytes().map(|b| format!("{b:02x}")).collect() };
     for bad in ["/etc/passwd", "../x", "a/../../x", "./a", ""] {
-        let hex: String = bad.bytes().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(decode_path(&hex), None, "{bad:?}");
+        assert_eq!(decode_copy(&format!("3/{}", hex(bad))), None, "{bad:?}");
     }
-    assert_eq!(decode_path("abc"), None);
-    assert_eq!(decode_path("zz"), None);
+    let x = hex("x");
+    for bad in [
+        x.clone(),
+        format!("/{x}"),
+        format!("-1/{x}"),
+        format!("+1/{x}"),
+        format!("18446744073709551616/{x}"),
+        format!("1 /{x}"),
+        "1/abc".into(),
+        "1/zz".into(),
+        format!("1/{x}/{x}"),
+    ] {
+        assert_eq!(decode_copy(&bad), None, "{bad:?}");
+    }
 }
 
 #[test]

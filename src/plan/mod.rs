@@ -328,6 +328,11 @@ impl Plan {
         }
     }
 
+    /// Whether every rank of this node announced `epoch` (always, unless fed).
+    pub fn all_ranks_announced(&self, epoch: u64) -> bool {
+        !self.is_fed() || self.feed.ranks(epoch).len() >= self.feed.lanes()
+    }
+
     /// Files the job announced for `epoch` of the followed stream (all ranks).
     pub fn announced_len(&self, epoch: u64) -> u64 {
         self.feed.announced_len(epoch)

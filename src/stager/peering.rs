@@ -22,7 +22,7 @@ use crate::catalog::Attributes;
 use crate::peers::{
     Expected, Fallback, FetchError, Held, Holder, Peers, Placement, Readers, Split,
 };
-use crate::plan::{Generation, NEVER, Plan, Prediction, World};
+use crate::plan::{EpochPlan, Generation, NEVER, Plan, Prediction, TrackerMode, World};
 
 /// Epochs whose readers are kept: the one before the reader's (who holds its files), its own
 /// and the next (what the peers will fetch).
@@ -234,8 +234,8 @@ impl Inner {
     }
 
     /// The node that read `job`'s file the epoch before the one it is staged for, if another
-    /// node than this one.
-    fn holder_of(&self, peering: &Peering, job: Job) -> Option<usize> {
+    /// node than this one, and that epoch.
+    fn holder_of(&self, peering: &Peering, job: Job) -> Option<(usize, u64)> {
         let (generation, epoch) = {
             let core = self.core.lock();
             let generation = core.generation().clone();
@@ -247,7 +247,7 @@ impl Inner {
         };
         let previous = epoch.checked_sub(1)?;
         let held = peering.readers(&self.plan, &generation, previous, self.catalog.len())?;
-        held.holder(job.file)
+        Some((held.holder(job.file)?, previous))
     }
 
     /// Stages `job`'s file from the peer that holds it, if one does: `None` to read it from
@@ -259,7 +259,7 @@ impl Inner {
         has_room: &mut bool,
     ) -> Option<Result<u64, CopyError>> {
         let peering = self.peering.as_ref()?;
-        let node = self.holder_of(peering, job)?;
+        let (node, epoch) = self.holder_of(peering, job)?;
         let relative = self.catalog.relative_path(job.file);
         if !peering.peers.is_up(node) {
             return self.not_now(peering, job, node, &relative, Fallback::Unreachable);
@@ -280,7 +280,8 @@ impl Inner {
             return Some(Err(CopyError::NoRoom));
         }
         *has_room = true;
-        match self.fetch_into_cache(peering, node, job, &relative, &attributes) {
+        let asked = (node, relative.as_path(), epoch);
+        match self.fetch_into_cache(peering, asked, job, &attributes) {
             Ok(bytes) => Some(Ok(bytes)),
             Err(PeerCopyError::Cache(e)) => Some(Err(e)),
             Err(PeerCopyError::Fetch(FetchError::Sink(e))) => Some(Err(CopyError::Cache(e))),
@@ -315,12 +316,12 @@ impl Inner {
         None
     }
 
+    /// Stages `job`'s file from `node`, which reads it (at `relative`) in `epoch`.
     fn fetch_into_cache(
         &self,
         peering: &Peering,
-        node: usize,
+        (node, relative, epoch): (usize, &Path, u64),
         job: Job,
-        relative: &Path,
         attributes: &Attributes,
     ) -> Result<u64, PeerCopyError> {
         let expected = Expected {
@@ -329,13 +330,14 @@ impl Inner {
         };
         self.cache
             .stage_with(&self.catalog, job.file, attributes, |out| {
-                (peering.peers.fetch(node, relative, &expected, out)).map_err(PeerCopyError::Fetch)
+                (peering.peers.fetch(node, (relative, epoch), &expected, out))
+                    .map_err(PeerCopyError::Fetch)
             })
     }
 }
 
 impl Holder for Inner {
-    fn held(&self, relative: &Path) -> Held {
+    fn held(&self, relative: &Path, epoch: u64) -> Held {
         let Some(file) = self.catalog.lookup_path(relative) else {
             return Held::Unknown;
         };
@@ -346,9 +348,16 @@ impl Holder for Inner {
         {
             return Held::Unknown;
         }
-        let (state, next) = {
+        let (state, next, reader) = {
             let core = self.core.lock();
-            (core.file_state(file), core.tracker().next_use(file))
+            let tracker = core.tracker();
+            let reader = Reader {
+                generation: tracker.generation().clone(),
+                epoch: tracker.epoch_position().0,
+                predicting: tracker.mode() == TrackerMode::Predicting,
+                plan: tracker.planned(epoch).cloned(),
+            };
+            (core.file_state(file), tracker.next_use(file), reader)
         };
         match state {
             FileState::Cached => match self.cache.open_for_peer(&self.catalog, file) {
@@ -364,8 +373,35 @@ impl Holder for Inner {
                 Err(_) => Held::Gone,
             },
             FileState::Staging | FileState::Queued => Held::Later,
-            FileState::Remote if next != NEVER => Held::Later,
+            FileState::Remote if next != NEVER || !self.knows_whole_share(&reader, epoch) => {
+                Held::Later
+            }
             FileState::Remote => Held::Gone,
         }
+    }
+}
+
+/// Where this node's reader is, as a peer asking for a file needs it.
+struct Reader {
+    generation: Arc<Generation>,
+    epoch: u64,
+    predicting: bool,
+    /// The plan of the epoch asked about the tracker follows, if it has one.
+    plan: Option<Arc<EpochPlan>>,
+}
+
+impl Inner {
+    /// Whether this node knows all it will read of `epoch`, so that a file it neither holds
+    /// nor will read soon is one it will not have: its reader has left the epoch, or follows
+    /// a current plan of it made from an order known whole (every local rank announced it,
+    /// if the job announces its order). A node whose job started later, or runs behind, does
+    /// not know yet: the asking node waits for it rather than read SOURCE.
+    fn knows_whole_share(&self, reader: &Reader, epoch: u64) -> bool {
+        let current = || self.plan.planned(&reader.generation, epoch);
+        reader.epoch > epoch
+            || (reader.predicting
+                && (reader.plan.as_ref())
+                    .is_some_and(|p| current().is_some_and(|c| Arc::ptr_eq(p, &c)))
+                && self.plan.all_ranks_announced(epoch))
     }
 }

@@ -198,9 +198,7 @@ impl Tracker {
     /// newer plan replaces the older). False if it is not wanted (another generation's, an
     /// epoch the reader left). Positions of its epoch may now be passed over at once.
     pub fn planned_epoch(&mut self, plan: Arc<EpochPlan>) -> bool {
-        let wanted = plan.generation() == self.generation.id
-            && (self.base_epoch..=self.base_epoch + 1).contains(&plan.epoch);
-        if !wanted {
+        if !self.wants_plan(&plan) {
             return false;
         }
         self.plans.retain(|p| p.epoch != plan.epoch);
@@ -209,6 +207,12 @@ impl Tracker {
             self.advance();
         }
         true
+    }
+
+    /// Whether [`planned_epoch`](Self::planned_epoch) takes `plan`.
+    pub fn wants_plan(&self, plan: &EpochPlan) -> bool {
+        plan.generation() == self.generation.id
+            && (self.base_epoch..=self.base_epoch + 1).contains(&plan.epoch)
     }
 
     pub fn mode(&self) -> TrackerMode {

@@ -132,6 +132,15 @@ impl<R> Core<R> {
             && self.ahead_bytes < self.settings.lookahead_bytes
     }
 
+    /// Every lane's frontier back to its first position from `pos` on (or its reader's, if
+    /// that is further), if it passed it.
+    pub(super) fn rewind_frontiers(&mut self, pos: Position) {
+        for lane in 0..self.tracker.lane_count() {
+            let at = (self.tracker.align(pos, lane)).max(self.tracker.lane_cursor(lane));
+            self.rewind_frontier(at);
+        }
+    }
+
     /// Puts `pos`'s lane's frontier back to it so the file there is staged again: a failed
     /// prefetch once the source is back, or a copy evicted before the position it is next
     /// needed at was read.

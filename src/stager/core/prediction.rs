@@ -23,10 +23,18 @@ impl<R> Core<R> {
     /// the shell ([`unplanned`](Self::unplanned), [`rekey`](Self::rekey)).
     pub fn planned(&mut self, plan: Arc<EpochPlan>) -> Effects<R> {
         let mut effects = Effects::default();
-        let before = self.tracker.cursor();
-        if !self.tracker.planned_epoch(plan) {
+        if !self.tracker.wants_plan(&plan) {
             return effects;
         }
+        // A newer plan of an epoch the frontier may have walked already, as its older plan
+        // had it (a fed epoch announced ahead, or by one more rank, after the frontier passed
+        // it empty or partial): the frontier comes back to stage what is new.
+        if self.tracker.planned(plan.epoch).is_some() {
+            let start = self.tracker.generation().join(plan.epoch, 0);
+            self.rewind_frontiers(start);
+        }
+        let before = self.tracker.cursor();
+        self.tracker.planned_epoch(plan);
         let after = self.tracker.cursor();
         if after > before {
             self.cursor_passed(before, after);

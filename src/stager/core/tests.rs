@@ -563,6 +563,41 @@ fn an_announced_epoch_is_staged_in_the_announced_order() {
     assert_eq!(s.core.tracker().mispredictions(), 0);
 }
 
+/// The job announces the next epoch a moment after the current one, and by then the frontier
+/// has walked the next epoch's empty plan: the announced plan brings it back, and the next
+/// epoch is staged ahead all the same.
+#[test]
+fn an_epoch_announced_after_the_frontier_passed_it_is_staged_ahead() {
+    let mut s = Scene::new(100, 100, SamplerConfig::new(SamplerKind::Feed));
+    let stream = StreamKey {
+        name: ".".into(),
+        shuffled: true,
+    };
+    let first: Vec<FileId> = (1..=50).rev().collect();
+    let (_, generation) = s
+        .plan
+        .announce(&stream, 0, 0, first.clone().into())
+        .unwrap();
+    let plan = s.plan.epoch(&generation, 0);
+    let effects = s.core.follow(generation.clone(), 0, vec![plan]);
+    s.take(effects);
+    assert_eq!(s.copy_all(), first, "epoch 1 is not announced yet");
+    assert!(
+        s.core.frontier() >= generation.join(2, 0),
+        "the frontier walked epoch 1"
+    );
+
+    let next: Vec<FileId> = (51..=100).collect();
+    let (_, same) = s.plan.announce(&stream, 1, 0, next.clone().into()).unwrap();
+    assert_eq!(same.id, generation.id);
+    let effects = s.core.planned(s.plan.epoch(&generation, 1));
+    s.take(effects);
+    assert_eq!(s.copy_all(), next);
+    for &file in first.iter().chain(&next) {
+        assert_eq!(s.open(file, 0), Open::Hit);
+    }
+}
+
 /// The LRU baseline, a plain cache under the same staging: a reader in the predicted order
 /// still hits (what is staged waits for it), but the copy evicted is the least recently read,
 /// not the one needed furthest: a file read again soon (here: every file, each epoch, in the
