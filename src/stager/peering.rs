@@ -354,7 +354,7 @@ impl Holder for Inner {
             let reader = Reader {
                 generation: tracker.generation().clone(),
                 epoch: tracker.epoch_position().0,
-                predicting: tracker.mode() == TrackerMode::Predicting,
+                mode: tracker.mode(),
                 plan: tracker.planned(epoch).cloned(),
             };
             (core.file_state(file), tracker.next_use(file), reader)
@@ -385,7 +385,7 @@ impl Holder for Inner {
 struct Reader {
     generation: Arc<Generation>,
     epoch: u64,
-    predicting: bool,
+    mode: TrackerMode,
     /// The plan of the epoch asked about the tracker follows, if it has one.
     plan: Option<Arc<EpochPlan>>,
 }
@@ -394,14 +394,24 @@ impl Inner {
     /// Whether this node knows all it will read of `epoch`, so that a file it neither holds
     /// nor will read soon is one it will not have: its reader has left the epoch, or follows
     /// a current plan of it made from an order known whole (every local rank announced it,
-    /// if the job announces its order). A node whose job started later, or runs behind, does
-    /// not know yet: the asking node waits for it rather than read SOURCE.
+    /// if the job announces its order). A node whose job has not started (no announcement
+    /// yet), or whose job has not announced or planned that epoch yet, does not know: the
+    /// asking node waits for it rather than read SOURCE. One that follows no order (lost,
+    /// or none to follow) knows all it ever will.
     fn knows_whole_share(&self, reader: &Reader, epoch: u64) -> bool {
         let current = || self.plan.planned(&reader.generation, epoch);
-        reader.epoch > epoch
-            || (reader.predicting
-                && (reader.plan.as_ref())
+        let awaits_job = matches!(reader.generation.prediction, Prediction::Announced(None));
+        if reader.epoch > epoch {
+            return true;
+        }
+        match reader.mode {
+            TrackerMode::Lost => true,
+            TrackerMode::OnDemand => !awaits_job,
+            TrackerMode::Predicting => {
+                (reader.plan.as_ref())
                     .is_some_and(|p| current().is_some_and(|c| Arc::ptr_eq(p, &c)))
-                && self.plan.all_ranks_announced(epoch))
+                    && self.plan.all_ranks_announced(epoch)
+            }
+        }
     }
 }
