@@ -38,20 +38,32 @@ def install_open():
         io.open = _open
 
 
-def _open(file, mode="r", buffering=-1, *args, **kwargs):
-    if _granted and mode in ("rb", "br") and all(a is None for a in args) and all(
-        v is None for v in kwargs.values()
-    ):
-        name = file if isinstance(file, str) else os.fspath(file) if isinstance(file, os.PathLike) else None
-        answers = _granted.get(name) if isinstance(name, str) else None
-        if answers:
-            kind, value = answers.pop(0)
-            if not answers:
-                del _granted[name]
-            if kind == "errno":
-                raise OSError(value, os.strerror(value), name)
-            return _file_on(value, name, buffering)
-    return _original_open(file, mode, buffering, *args, **kwargs)
+class _BatchOpen:
+    """``open`` as the hook replaces it. An object, not a function: a function kept as a
+    class attribute becomes a method of the instances, where the built-in it replaces does
+    not (pathlib keeps ``open = io.open`` in a class on Python 3.8 to 3.10, and its
+    ``read_text`` then passed the accessor as the file: ``import torch`` failed)."""
+
+    __slots__ = ()
+    __doc__ = _original_open.__doc__
+
+    def __call__(self, file, mode="r", buffering=-1, *args, **kwargs):
+        if _granted and mode in ("rb", "br") and all(a is None for a in args) and all(
+            v is None for v in kwargs.values()
+        ):
+            name = file if isinstance(file, str) else os.fspath(file) if isinstance(file, os.PathLike) else None
+            answers = _granted.get(name) if isinstance(name, str) else None
+            if answers:
+                kind, value = answers.pop(0)
+                if not answers:
+                    del _granted[name]
+                if kind == "errno":
+                    raise OSError(value, os.strerror(value), name)
+                return _file_on(value, name, buffering)
+        return _original_open(file, mode, buffering, *args, **kwargs)
+
+
+_open = _BatchOpen()
 
 
 def _file_on(fd, name, buffering):
