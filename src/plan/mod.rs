@@ -426,9 +426,14 @@ impl Plan {
             .recent
             .iter()
             .find(|p| (p.generation, p.epoch) == (generation.id, epoch))?;
-        // An announcement since makes a fed plan stale.
-        let current = !generation.is_announced() || plan.built_from >= self.feed.version_of(epoch);
-        current.then(|| plan.clone())
+        self.is_current(generation, plan).then(|| plan.clone())
+    }
+
+    /// Whether `plan`, of `generation`, is as its epoch is known now: an announcement since
+    /// makes a fed plan stale.
+    pub fn is_current(&self, generation: &Generation, plan: &EpochPlan) -> bool {
+        plan.generation == generation.id
+            && (!generation.is_announced() || plan.built_from >= self.feed.version_of(plan.epoch))
     }
 
     /// Drops the plans of epochs before `epoch` (the reader has left them), so that computing

@@ -373,7 +373,9 @@ impl Holder for Inner {
                 Err(_) => Held::Gone,
             },
             FileState::Staging | FileState::Queued => Held::Later,
-            FileState::Remote if next != NEVER || !self.knows_whole_share(&reader, epoch) => {
+            FileState::Remote
+                if next != NEVER || !self.knows_whole_share(&reader, relative, epoch) =>
+            {
                 Held::Later
             }
             FileState::Remote => Held::Gone,
@@ -391,25 +393,34 @@ struct Reader {
 }
 
 impl Inner {
-    /// Whether this node knows all it will read of `epoch`, so that a file it neither holds
-    /// nor will read soon is one it will not have: its reader has left the epoch, or follows
-    /// a current plan of it made from an order known whole (every local rank announced it,
-    /// if the job announces its order). A node whose job has not started (no announcement
-    /// yet), or whose job has not announced or planned that epoch yet, does not know: the
-    /// asking node waits for it rather than read SOURCE. One that follows no order (lost,
-    /// or none to follow) knows all it ever will.
-    fn knows_whole_share(&self, reader: &Reader, epoch: u64) -> bool {
-        let current = || self.plan.planned(&reader.generation, epoch);
-        let awaits_job = matches!(reader.generation.prediction, Prediction::Announced(None));
+    /// Whether this node knows all it will read of `epoch` of the stream the file at
+    /// `relative` belongs to, so that a file it neither holds nor will read soon is one it
+    /// will not have: its reader has left the epoch, or follows that stream (for an announced
+    /// order, the file is under the followed loader's dataset root) with a current plan of
+    /// the epoch made from an order known whole (every local rank announced it). A node whose
+    /// job has not started (no announcement yet), still reads another loader (Lightning's
+    /// validation sanity check), or has not announced or planned that epoch yet, does not
+    /// know: the asking node waits for it rather than read SOURCE. One that follows no order
+    /// (lost, or none to follow) knows all it ever will.
+    fn knows_whole_share(&self, reader: &Reader, relative: &Path, epoch: u64) -> bool {
+        // Epochs are counted per loader: another loader's say nothing of this one's.
+        let follows_file = match &reader.generation.prediction {
+            Prediction::Announced(None) => false,
+            Prediction::Announced(Some(stream)) => {
+                stream.name == "." || relative.starts_with(&stream.name)
+            }
+            _ => true,
+        };
+        if !follows_file {
+            return false;
+        }
         if reader.epoch > epoch {
             return true;
         }
         match reader.mode {
-            TrackerMode::Lost => true,
-            TrackerMode::OnDemand => !awaits_job,
+            TrackerMode::Lost | TrackerMode::OnDemand => true,
             TrackerMode::Predicting => {
-                (reader.plan.as_ref())
-                    .is_some_and(|p| current().is_some_and(|c| Arc::ptr_eq(p, &c)))
+                (reader.plan.as_ref()).is_some_and(|p| self.plan.is_current(&reader.generation, p))
                     && self.plan.all_ranks_announced(epoch)
             }
         }

@@ -1219,3 +1219,56 @@ fn read_whole(file: &File) -> Vec<u8> {
         buf.extend_from_slice(&chunk[..n]);
     }
 }
+
+/// What this node tells a peer asking for the file at `path`, placed in its `epoch`.
+fn told_peer(h: &Harness, path: &str, epoch: u64) -> &'static str {
+    use crate::peers::{Held, Holder};
+    match h.stager().inner.held(Path::new(path), epoch) {
+        Held::Copy { .. } => "copy",
+        Held::Later => "later",
+        Held::Gone => "gone",
+        Held::Unknown => "unknown",
+    }
+}
+
+/// A peer asking for a file this node neither holds nor will read soon hears "later" while
+/// the node cannot know whether it will have it (its job has not announced, it still follows
+/// another loader, that epoch is not announced), and "gone" once it knows.
+#[test]
+fn a_node_tells_peers_later_until_it_knows_its_share_of_the_epoch() {
+    let h = Setup::new(120, SamplerKind::Feed).build();
+    let order = announced_order(&h, 0, 0);
+    let (share, others) = order.split_at(60);
+    let other = h.catalog.relative_path(others[0]);
+    let other = other.to_str().unwrap();
+    assert_eq!(told_peer(&h, other, 0), "later", "nothing announced yet");
+
+    // Another loader first (a validation sanity check over d00/), its epochs its own.
+    let d00: Vec<FileId> = (h.file_of.iter().copied())
+        .filter(|&f| h.catalog.relative_path(f).starts_with("d00"))
+        .collect();
+    let validation = crate::plan::StreamKey {
+        name: "d00".into(),
+        shuffled: false,
+    };
+    for epoch in 0..2 {
+        (h.stager()
+            .announce(&validation, epoch, 0, d00.clone(), epoch == 0))
+        .unwrap();
+    }
+    read_files(&h, &d00, 4, 1);
+    assert!(!other.starts_with("d00"));
+    assert_eq!(told_peer(&h, other, 0), "later", "another loader followed");
+
+    h.stager()
+        .announce(&train(), 0, 0, share.to_vec(), true)
+        .unwrap();
+    assert_eq!(told_peer(&h, other, 0), "gone", "not in this node's share");
+    assert_eq!(told_peer(&h, other, 1), "later", "epoch 1 not announced");
+    let next: Vec<FileId> = (announced_order(&h, 0, 1).into_iter())
+        .filter(|f| f != &others[0])
+        .collect();
+    h.stager().announce(&train(), 1, 0, next, false).unwrap();
+    assert_eq!(told_peer(&h, other, 1), "gone", "not in epoch 1's share");
+    assert_eq!(told_peer(&h, "d99/nothing.bin", 0), "unknown");
+}
