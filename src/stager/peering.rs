@@ -395,9 +395,10 @@ struct Reader {
 impl Inner {
     /// Whether this node knows all it will read of `epoch` of the stream the file at
     /// `relative` belongs to, so that a file it neither holds nor will read soon is one it
-    /// will not have: its reader has left the epoch, or follows that stream (for an announced
-    /// order, the file is under the followed loader's dataset root) with a current plan of
-    /// the epoch made from an order known whole (every local rank announced it). A node whose
+    /// will not have: it follows that stream (for an announced order, the file is under the
+    /// followed loader's dataset root), and its reader has left the epoch or follows a
+    /// current plan of it made from an order known whole (every local rank announced it).
+    /// A node whose
     /// job has not started (no announcement yet), still reads another loader (Lightning's
     /// validation sanity check), or has not announced or planned that epoch yet, does not
     /// know: the asking node waits for it rather than read SOURCE. One that follows no order
