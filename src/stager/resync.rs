@@ -71,8 +71,12 @@ impl Inner {
             );
         }
         self.run(|core| {
-            let mut effects = plan.map(|p| core.planned(p)).unwrap_or_default();
-            effects.merge(core.resync_done(found));
+            // The reader moved first: a plan of an epoch the tracker did not want yet is
+            // refused, and the opens until the planner made it again were mispredictions.
+            let mut effects = core.resync_done(found);
+            if let Some(p) = plan {
+                effects.merge(core.planned(p));
+            }
             ((), effects)
         });
     }
