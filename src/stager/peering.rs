@@ -348,16 +348,19 @@ impl Holder for Inner {
         {
             return Held::Unknown;
         }
-        let (state, next, reader) = {
+        let (state, unplanned) = {
             let core = self.core.lock();
             let tracker = core.tracker();
-            let reader = Reader {
-                generation: tracker.generation().clone(),
-                epoch: tracker.epoch_position().0,
-                mode: tracker.mode(),
-                plan: tracker.planned(epoch).cloned(),
-            };
-            (core.file_state(file), tracker.next_use(file), reader)
+            let state = core.file_state(file);
+            // Where the reader is matters only for a file it does not hold nor plan to.
+            let unplanned =
+                (state == FileState::Remote && tracker.next_use(file) == NEVER).then(|| Reader {
+                    generation: tracker.generation().clone(),
+                    epoch: tracker.epoch_position().0,
+                    mode: tracker.mode(),
+                    plan: tracker.planned(epoch).cloned(),
+                });
+            (state, unplanned)
         };
         match state {
             FileState::Cached => match self.cache.open_for_peer(&self.catalog, file) {
@@ -373,12 +376,10 @@ impl Holder for Inner {
                 Err(_) => Held::Gone,
             },
             FileState::Staging | FileState::Queued => Held::Later,
-            FileState::Remote
-                if next != NEVER || !self.knows_whole_share(&reader, relative, epoch) =>
-            {
-                Held::Later
-            }
-            FileState::Remote => Held::Gone,
+            FileState::Remote => match unplanned {
+                Some(reader) if self.knows_whole_share(&reader, relative, epoch) => Held::Gone,
+                _ => Held::Later,
+            },
         }
     }
 }
@@ -398,11 +399,10 @@ impl Inner {
     /// will not have: it follows that stream (for an announced order, the file is under the
     /// followed loader's dataset root), and its reader has left the epoch or follows a
     /// current plan of it made from an order known whole (every local rank announced it).
-    /// A node whose
-    /// job has not started (no announcement yet), still reads another loader (Lightning's
-    /// validation sanity check), or has not announced or planned that epoch yet, does not
-    /// know: the asking node waits for it rather than read SOURCE. One that follows no order
-    /// (lost, or none to follow) knows all it ever will.
+    /// A node whose job has not started (no announcement yet), still reads another loader
+    /// (Lightning's validation sanity check), or has not announced or planned that epoch
+    /// yet, does not know: the asking node waits for it rather than read SOURCE. One that
+    /// follows no order (lost, or none to follow) knows all it ever will.
     fn knows_whole_share(&self, reader: &Reader, relative: &Path, epoch: u64) -> bool {
         // Epochs are counted per loader: another loader's say nothing of this one's.
         let follows_file = match &reader.generation.prediction {
